@@ -1,0 +1,36 @@
+"""Schedule rules for the fused op, and the choice of one per spec.
+
+Installed as ``tvm_rmsquant.schedules``. Importing this package does not import the
+TVM compiler; applying a rule does.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from tvm_rmsquant.spec import VariantSpec
+
+from .base import Knobs, ScheduleRule
+from .dynamic_rows import DynamicRows
+from .row_resident import RowResident
+
+#: In order of preference: the first rule whose default applies schedules the spec.
+RULES = (RowResident(), DynamicRows())
+
+
+def rule_by_name(name: str) -> ScheduleRule:
+    for rule in RULES:
+        if rule.name == name:
+            return rule
+    raise ValueError(f"unknown schedule rule {name!r}; known: {[rule.name for rule in RULES]}")
+
+
+def default_schedule(spec: VariantSpec) -> Tuple[str, Knobs]:
+    """(rule name, knobs) of the first rule that applies to ``spec``."""
+    reasons: Dict[str, str] = {}
+    for rule in RULES:
+        knobs = rule.default(spec)
+        if knobs is not None:
+            return rule.name, knobs
+        reasons[rule.name] = "no valid default knobs"
+    raise ValueError(f"no schedule rule applies to {spec.name}: {reasons}")

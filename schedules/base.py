@@ -1,0 +1,70 @@
+"""The schedule-rule interface, after TVM's dlight rules.
+
+A rule looks at a spec and says whether it applies (``check``), what it can tune
+(``space``), what it would pick by hand (``default``), and turns the tensor expression's
+PrimFunc into an ``s_tir.Schedule`` for given knobs (``apply``). Knobs are a plain
+``{name: int}`` dict, so they serialize into manifests and tuning records as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Dict, Iterator, List, Optional
+
+from tvm_rmsquant.spec import VariantSpec
+
+Knobs = Dict[str, int]
+
+
+class ScheduleRule:
+    """One scheduling strategy for the fused op."""
+
+    name: str = ""
+
+    def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
+        """Each knob's candidate values; ``check`` filters the product of them."""
+        raise NotImplementedError
+
+    def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+        """None when the rule can schedule ``spec`` with ``knobs``; otherwise why not."""
+        raise NotImplementedError
+
+    def default(self, spec: VariantSpec) -> Optional[Knobs]:
+        """The hand-picked knobs for ``spec``, or None if the rule does not apply."""
+        raise NotImplementedError
+
+    def apply(self, func, spec: VariantSpec, knobs: Knobs):
+        """Return an ``s_tir.Schedule`` of ``func`` (the spec's PrimFunc) with ``knobs``."""
+        raise NotImplementedError
+
+    # -- the search space, shared by every rule -----------------------------------------------
+
+    def candidates(self, spec: VariantSpec) -> Iterator[Knobs]:
+        """Every valid knob assignment, in a stable order."""
+        space = self.space(spec)
+        names = sorted(space)
+        for values in itertools.product(*(space[name] for name in names)):
+            knobs = dict(zip(names, values))
+            if self.check(spec, knobs) is None:
+                yield knobs
+
+    def sample(self, spec: VariantSpec, count: int, seed: int = 0) -> List[Knobs]:
+        """``count`` distinct valid knob assignments drawn uniformly (all of them if fewer)."""
+        everything = list(self.candidates(spec))
+        random.Random(seed).shuffle(everything)
+        return everything[:count]
+
+    def validate(self, spec: VariantSpec, knobs: Knobs) -> Knobs:
+        """``knobs`` completed and checked; raises ValueError naming what is wrong."""
+        space = self.space(spec)
+        unknown = sorted(set(knobs) - set(space))
+        if unknown:
+            raise ValueError(f"rule {self.name!r} has no knob(s) {unknown}; its knobs are {sorted(space)}")
+        missing = sorted(set(space) - set(knobs))
+        if missing:
+            raise ValueError(f"rule {self.name!r} needs knob(s) {missing} for {spec.name}")
+        reason = self.check(spec, knobs)
+        if reason is not None:
+            raise ValueError(f"rule {self.name!r} cannot schedule {spec.name} with {knobs}: {reason}")
+        return dict(knobs)

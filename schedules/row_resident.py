@@ -1,0 +1,156 @@
+"""One CUDA block per row, the row resident in registers, read from global memory once.
+
+Thread (ty, tx) of a block owns ``groups_per_thread`` consecutive groups, and within
+each of them the ``vector`` consecutive elements at lane offset ``tx * vector``:
+
+    k = ty * (C * G) + c * G + tx * V + v        C = groups_per_thread, V = vector
+
+so one group is G / V lanes of one warp (16 lanes x 8 bf16 for G = 128), each load is
+a 16-byte vector, the sum of squares is a block all-reduce and each group's absmax a
+warp-shuffle reduction over its lanes. A thread holds whole groups, so its scales stay
+in registers for q, and (with C % 4 == 0) whole packed UE8M0 words too.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from tvm import s_tir
+
+from tvm_rmsquant.spec import VariantSpec, num_groups
+
+from .base import Knobs, ScheduleRule
+
+MAX_THREADS = 1024
+#: fp32 values of the row held per thread (h and y); past this ptxas spills.
+MAX_RESIDENT = 64
+
+
+def _itemsize(spec: VariantSpec) -> int:
+    return {"bf16": 2, "fp16": 2, "fp32": 4}[spec.dtype]
+
+
+class RowResident(ScheduleRule):
+    name = "row_resident"
+
+    def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
+        return {"vector": [2, 4, 8], "groups_per_thread": [1, 2, 4, 8, 16]}
+
+    def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+        if spec.is_dynamic:
+            return "needs a static hidden size"
+        vector, per_thread = knobs["vector"], knobs["groups_per_thread"]
+        if vector * _itemsize(spec) > 16:
+            return f"vector={vector} is wider than 16 bytes of {spec.dtype}"
+        if spec.group % vector:
+            return f"vector={vector} does not divide group={spec.group}"
+        lanes = spec.group // vector
+        if lanes > 32:
+            return f"a group would span {lanes} lanes, more than a warp"
+        groups = num_groups(spec.hidden, spec.group)
+        if groups % per_thread:
+            return f"groups_per_thread={per_thread} does not divide the {groups} groups of a row"
+        threads = lanes * (groups // per_thread)
+        if threads > MAX_THREADS:
+            return f"needs {threads} threads per block, more than {MAX_THREADS}"
+        if per_thread * vector > MAX_RESIDENT:
+            return f"{per_thread * vector} resident values per thread would spill"
+        if spec.format == "ue8m0_packed" and per_thread % 4 and per_thread != groups:
+            return "a packed UE8M0 word's four groups must belong to one thread"
+        return None
+
+    def default(self, spec: VariantSpec) -> Optional[Knobs]:
+        if spec.is_dynamic:
+            return None
+        vector = 16 // _itemsize(spec)
+        for per_thread in (4, 2, 8, 1, 16):
+            knobs = {"vector": vector, "groups_per_thread": per_thread}
+            if self.check(spec, knobs) is None:
+                return knobs
+        return None
+
+    def apply(self, func, spec: VariantSpec, knobs: Knobs):
+        knobs = self.validate(spec, knobs)
+        vector, per_thread = knobs["vector"], knobs["groups_per_thread"]
+        lanes = spec.group // vector
+        thread_rows = num_groups(spec.hidden, spec.group) // per_thread
+        sch = s_tir.Schedule(func)
+        block = sch.get_sblock
+
+        def bind_groups(loop):
+            """Split a group loop into (ty, c): ty is threadIdx.y, c this thread's groups."""
+            ty, c = sch.split(loop, [thread_rows, per_thread])
+            sch.bind(ty, "threadIdx.y")
+            return ty, c
+
+        def bind_lanes(loop):
+            """Split an in-group loop into (tx, v): tx is threadIdx.x, v one vector."""
+            tx, v = sch.split(loop, [lanes, vector])
+            sch.bind(tx, "threadIdx.x")
+            return tx, v
+
+        def bind_elements(name_or_block, vectorize: bool):
+            target = block(name_or_block) if isinstance(name_or_block, str) else name_or_block
+            g, j = sch.get_loops(target)[-2:]
+            ty, c = bind_groups(g)
+            tx, v = bind_lanes(j)
+            sch.reorder(ty, tx, c, v)
+            sch.unroll(c)
+            sch.vectorize(v) if vectorize else sch.unroll(v)
+
+        # Outputs are computed into registers first: a block that writes an output
+        # cannot be moved under the row loop, and the copy out vectorizes.
+        q_store = sch.cache_write(block("q"), 0, "local")
+        residual_store = sch.cache_write(block("residual"), 0, "local") if spec.residual else None
+        if spec.format == "ue8m0_packed":
+            scale_store = None
+            sch.set_scope(block("scale"), 0, "local")
+        else:
+            # q reads the register copy: every lane computes its own groups' scales.
+            scale_store = sch.cache_write(block("scale"), 0, "local", consumer_blocks=[block("q")])
+
+        row = sch.get_loops(block("h"))[0]
+        sch.bind(row, "blockIdx.x")
+        for child in sch.get_child_blocks(sch.get_sblock("root"))[1:]:
+            sch.reverse_compute_at(child, row)
+        for name in ("h", "y", "sumsq", "rms", "absmax"):
+            sch.set_scope(block(name), 0, "local")
+
+        for name in ("h", "y", "q") + (("residual",) if spec.residual else ()):
+            bind_elements(name, vectorize=False)
+        bind_elements(q_store, vectorize=True)
+        if residual_store is not None:
+            bind_elements(residual_store, vectorize=True)
+
+        g, j = sch.get_loops(block("sumsq"))[-2:]
+        ty, c = bind_groups(g)
+        tx, v = bind_lanes(j)
+        sch.reorder(ty, tx, c, v)
+
+        g, j = sch.get_loops(block("absmax"))[-2:]
+        ty, c = bind_groups(g)
+        tx, v = bind_lanes(j)
+        sch.reorder(ty, c, tx, v)
+
+        sch.unroll(bind_groups(sch.get_loops(block("scale"))[-1])[1])
+        if scale_store is not None:
+            sch.unroll(bind_groups(sch.get_loops(scale_store)[-1])[1])
+        else:
+            # Thread row ty writes the packed words of its own groups.
+            ty, c = sch.split(sch.get_loops(block("scales"))[-1], [thread_rows, None])
+            sch.bind(ty, "threadIdx.y")
+            sch.unroll(c)
+
+        loads = [("h", "x"), ("y", "weight")] + ([("h", "r")] if spec.residual else [])
+        for consumer, buffer in loads:
+            load = sch.cache_read(block(consumer), _read_index(sch, block(consumer), buffer), "local", consumer_blocks=[block(consumer)])
+            sch.compute_at(load, row)
+            bind_elements(load, vectorize=True)
+        return sch
+
+
+def _read_index(sch, block, buffer_name: str) -> int:
+    for index, region in enumerate(sch.get(block).reads):
+        if region.source.name == buffer_name:
+            return index
+    raise KeyError(f"block {sch.get(block).name_hint} does not read {buffer_name}")

@@ -1,0 +1,266 @@
+"""The fused op as a TVM tensor expression: the math, written once.
+
+Row tensors are viewed as [M, K/G, G] (x, r, q, the residual output; weight as
+[K/G, G]), so every index a schedule produces is affine in its thread layout and
+thread-local buffers compact to exactly what one thread holds.
+
+Stages, by block name (schedules find them by these names and never restate the math):
+
+    h          fp32(x) [+ fp32(r)]                    the unrounded sum the norm uses
+    residual   dtype(h)                                the updated residual (residual variants)
+    sumsq      sum_k h^2
+    rms        1 / sqrt(sumsq / K + eps)
+    y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))
+    absmax     max over each group of bits(|y|)        NaN-propagating, see below
+    scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0
+    q          float8_e4m3fn(clamp(y / scale, -448, 448))
+    scales     the scale write: ``scale`` itself, or the packed UE8M0 words
+
+The group absmax is reduced on the IEEE bit pattern of |y| as int32: for non-negative
+floats it orders like the value, and a NaN orders above every number, so NaN reaches
+the scale instead of being dropped by a float ``max`` (CUDA's ``fmaxf`` drops it).
+Clamps and mins are ``select``s for the same reason.
+
+This module imports the TVM compiler; the runtime path never imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import tvm
+from tvm import te, tirx
+
+from .spec import FP8_MAX, MIN_SCALE, VariantSpec
+
+F32 = "float32"
+#: Scalar symbol that binds the TMA-padded row count from the col-layout tensor's stride.
+PADDED_ROWS = "m_pad"
+
+
+@dataclasses.dataclass
+class FusedExpr:
+    """The TE tensors of one spec, and the kernel's argument order."""
+
+    spec: VariantSpec
+    rows: tirx.Var
+    groups: object  # int, or tirx.Var for the dynamic-K variant
+    tensors: Dict[str, te.Tensor]
+    eps: tirx.Var
+    args: List[object]
+
+    @property
+    def arg_names(self) -> List[str]:
+        return [arg.name if isinstance(arg, tirx.Var) else arg.op.name for arg in self.args]
+
+
+def _f32(value: float):
+    return tirx.const(value, F32)
+
+
+def _let(name: str, value, body):
+    """Bind ``value`` once so that ``body(var)`` does not repeat the expression."""
+    var = tirx.Var(name, value.ty)
+    return tirx.Let(var, value, body(var))
+
+
+def _clamp(value, low, high):
+    """NaN-propagating clamp (a plain min/max drops NaN on CUDA)."""
+    return tirx.Select(value > high, high, tirx.Select(value < low, low, value))
+
+
+def _u32(value: int):
+    return tirx.const(value, "uint32")
+
+
+def e4m3fn_bits(value):
+    """float32 -> float8_e4m3fn code, round-to-nearest-even, in integer arithmetic.
+
+    ``value`` is already clamped to [-448, 448] or NaN. Used where the target's own fp8
+    cast is not exact (TVM's llvm legalization truncates subnormals and wraps NaN).
+    """
+
+    def from_magnitude(bits, magnitude):
+        sign = (bits >> _u32(24)) & _u32(0x80)
+        # Normal e4m3 (>= 2^-6): drop 20 mantissa bits with round-half-even, rebias 127 -> 7.
+        lsb = (magnitude >> _u32(20)) & _u32(1)
+        normal = ((magnitude + _u32(0x7FFFF) + lsb) >> _u32(20)) - _u32(120 << 3)
+        # Subnormal e4m3 (< 2^-6): |v| / 2^-9 rounded half-even; 8 is the first normal code.
+        subnormal = tirx.nearbyint(tirx.reinterpret(F32, magnitude) * _f32(512.0)).astype("uint32")
+        code = tirx.Select(
+            magnitude > _u32(0x7F800000),
+            _u32(0x7F),
+            tirx.Select(magnitude >= _u32(0x3C800000), normal, subnormal),
+        )
+        return tirx.reinterpret("float8_e4m3fn", (code | sign).astype("uint8"))
+
+    return _let(
+        "bits",
+        tirx.reinterpret("uint32", value),
+        lambda bits: _let("magnitude", bits & _u32(0x7FFFFFFF), lambda magnitude: from_magnitude(bits, magnitude)),
+    )
+
+
+def bf16_round_bits(value):
+    """fp32(bfloat16(value)), round-to-nearest-even, in integer arithmetic; NaN stays NaN.
+
+    TVM's llvm bf16 legalization folds the cast pair fp32(bf16(v)) away; this cannot be folded.
+    """
+    bits = tirx.reinterpret("uint32", value)
+    lsb = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
+    rounded = (bits + tirx.const(0x7FFF, "uint32") + lsb) & tirx.const(0xFFFF0000, "uint32")
+    return tirx.Select(tirx.isnan(value), value, tirx.reinterpret(F32, rounded))
+
+
+def round_up_pow2(scale):
+    """Round a positive fp32 up to a power of two on its bits; NaN stays NaN."""
+    bits = tirx.reinterpret("uint32", scale)
+    exponent = (bits >> tirx.const(23, "uint32")) & tirx.const(0xFF, "uint32")
+    exponent = exponent + tirx.Select(
+        (bits & tirx.const(0x7FFFFF, "uint32")) != tirx.const(0, "uint32"),
+        tirx.const(1, "uint32"),
+        tirx.const(0, "uint32"),
+    )
+    exponent = tirx.min(exponent, tirx.const(255, "uint32"))
+    rounded = tirx.reinterpret(F32, exponent << tirx.const(23, "uint32"))
+    return tirx.Select(tirx.isnan(scale), scale, rounded)
+
+
+def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
+    """Build the TE graph of ``spec``.
+
+    ``portable_casts`` writes the narrowing casts (bf16 rounding, fp8) in integer
+    arithmetic, for targets whose own casts are not exact (TVM's llvm). Both forms
+    compute the same bits; CUDA keeps the native casts, which are cheaper.
+    """
+    dtype = spec.tvm_dtype
+    group = spec.group
+    rows = te.var("m")
+    if spec.hidden is not None:
+        groups = spec.hidden // group
+        words = (groups + 3) // 4
+    elif spec.format == "ue8m0_packed":
+        # Whole packed words only, so that no group loop needs a bounds predicate;
+        # ``words`` binds from the packed scales' shape.
+        words = te.var("words")
+        groups = words * 4
+    else:
+        groups = te.var("groups")
+        words = None
+    hidden = groups * group
+    eps = te.var("eps", F32)
+
+    shape = (rows, groups, group)
+    x = te.placeholder(shape, dtype, name="x")
+    weight = te.placeholder((groups, group), dtype, name="weight")
+    r = te.placeholder(shape, dtype, name="r") if spec.residual else None
+    ub = te.placeholder((1,), F32, name="scale_ub") if spec.scale_ub else None
+
+    if r is None:
+        h = te.compute(shape, lambda m, g, j: x[m, g, j].astype(F32), name="h")
+    else:
+        h = te.compute(shape, lambda m, g, j: x[m, g, j].astype(F32) + r[m, g, j].astype(F32), name="h")
+    residual = te.compute(shape, lambda m, g, j: h[m, g, j].astype(dtype), name="residual") if r is not None else None
+
+    g_axis = te.reduce_axis((0, groups), name="gr")
+    j_axis = te.reduce_axis((0, group), name="jr")
+    sumsq = te.compute(
+        (rows,), lambda m: te.sum(h[m, g_axis, j_axis] * h[m, g_axis, j_axis], axis=[g_axis, j_axis]), name="sumsq"
+    )
+    rms = te.compute(
+        (rows,), lambda m: _f32(1.0) / tirx.sqrt(sumsq[m] / tirx.Cast(F32, hidden) + eps), name="rms"
+    )
+
+    def round_to_dtype(value):
+        if portable_casts and dtype == "bfloat16":
+            return bf16_round_bits(value)
+        return value.astype(dtype).astype(F32)
+
+    def normalize(m, g, j):
+        normed = round_to_dtype(h[m, g, j] * rms[m])
+        return round_to_dtype(normed * weight[g, j].astype(F32))
+
+    y = te.compute(shape, normalize, name="y")
+
+    lane_axis = te.reduce_axis((0, group), name="jr")
+    absmax = te.compute(
+        (rows, groups),
+        lambda m, g: te.max(tirx.reinterpret("int32", tirx.abs(y[m, g, lane_axis])), axis=lane_axis),
+        name="absmax",
+    )
+
+    def group_scale(m, g):
+        amax = tirx.reinterpret(F32, absmax[m, g])
+        if ub is not None:
+            amax = _let("amax", amax, lambda a: tirx.Select(a > ub[0], ub[0], a))
+        floored = _let("s", amax / _f32(FP8_MAX), lambda s: tirx.Select(s < _f32(MIN_SCALE), _f32(MIN_SCALE), s))
+        return _let("s", floored, round_up_pow2) if spec.pow2_scales else floored
+
+    scale = te.compute((rows, groups), group_scale, name="scale")
+
+    def quantize(m, g, j):
+        value = _let("v", y[m, g, j] / scale[m, g], lambda v: _clamp(v, _f32(-FP8_MAX), _f32(FP8_MAX)))
+        if portable_casts:
+            return _let("c", value, e4m3fn_bits)
+        return value.astype(spec.out_dtype)
+
+    q = te.compute(shape, quantize, name="q")
+
+    if spec.format == "ue8m0_packed":
+
+        def pack(m, j):
+            word = tirx.const(0, "uint32")
+            for byte in range(4):
+                g = j * 4 + byte
+                # Groups past the last are padding bytes: 0. if_then_else never reads them.
+                bits = tirx.if_then_else(g < groups, tirx.reinterpret("uint32", scale[m, g]), _u32(0))
+                word = word | (((bits >> _u32(23)) & _u32(0xFF)) << _u32(8 * byte))
+            return tirx.reinterpret("int32", word)
+
+        scales = te.compute((rows, words), pack, name="scales")
+    else:
+        scales = scale
+
+    tensors = {"x": x, "weight": weight, "h": h, "sumsq": sumsq, "rms": rms, "y": y, "absmax": absmax, "scale": scale, "q": q, "scales": scales}
+    if r is not None:
+        tensors.update(r=r, residual=residual)
+    if ub is not None:
+        tensors["scale_ub"] = ub
+
+    args = [x] + ([r] if r is not None else []) + [weight] + ([ub] if ub is not None else []) + [eps, q, scales]
+    if residual is not None:
+        args.append(residual)
+    return FusedExpr(spec=spec, rows=rows, groups=groups, tensors=tensors, eps=eps, args=args)
+
+
+def _with_padded_col_strides(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
+    """Declare ``param`` with strides (1, m_pad), m_pad bound from the tensor at call time.
+
+    ``te.create_prim_func`` cannot declare a strided output, so the function is printed,
+    the one parameter is given its strides, and the text is parsed back.
+    """
+    source = func.script()
+    head = f"{param}: T.Buffer("
+    start = source.find(head)
+    if start < 0 or source.find(head, start + 1) >= 0:
+        raise RuntimeError(f"could not find parameter {param!r} to give column-major strides")
+    depth, end = 0, start + len(head) - 1
+    for end in range(end, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    source = source[:end] + f', strides=(1, "{PADDED_ROWS}")' + source[end:]
+    return tvm.script.from_source(source)
+
+
+def prim_func(spec: VariantSpec, portable_casts: bool = False) -> tirx.PrimFunc:
+    """The unscheduled PrimFunc of ``spec`` named ``main``, with its scale layout declared."""
+    fused = build(spec, portable_casts)
+    func = te.create_prim_func(fused.args)
+    if spec.residual:
+        # r and the residual output may be one tensor (in-place update): no restrict.
+        func = func.with_attr("tirx.noalias", False)
+    if spec.layout == "col":
+        func = _with_padded_col_strides(func, fused.tensors["scales"].op.name)
+    return func

@@ -1,0 +1,107 @@
+"""The torch reference: the numerics contract, written once in plain torch.
+
+It is the oracle for every test, the fallback where no kernel exists, and the model
+that the tensor expression (``tvm_rmsquant.expr``) mirrors stage by stage.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .spec import FP8_MAX, MIN_SCALE, VariantSpec, num_groups, scale_geometry
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def empty_scales(spec: VariantSpec, rows: int, hidden: int, device) -> torch.Tensor:
+    """Allocate the scale tensor in the variant's layout (col: TMA-padded column-major)."""
+    shape, _, stored_rows, dtype = scale_geometry(spec, rows, hidden)
+    torch_dtype = torch.int32 if dtype == "int32" else torch.float32
+    if spec.layout == "row":
+        return torch.empty(shape, dtype=torch_dtype, device=device)
+    storage = torch.empty((shape[1], stored_rows), dtype=torch_dtype, device=device)
+    return storage[:, :rows].t()
+
+
+def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Round positive fp32 scales up to a power of two, bit-exactly; NaN stays NaN."""
+    bits = scale.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    rounded = (exponent.clamp(max=255) << 23).view(torch.float32)
+    return torch.where(torch.isnan(scale), scale, rounded)
+
+
+def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Biased exponent byte of each power-of-two scale (0xFF, UE8M0's NaN, for NaN)."""
+    exponent = (scale.view(torch.int32) >> 23) & 0xFF
+    return torch.where(torch.isnan(scale), torch.full_like(exponent, 0xFF), exponent)
+
+
+def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """[M, G] power-of-two scales -> int32 [M, ceil(G/4)], group 4j+b in byte b (little-endian)."""
+    rows, groups = scale.shape
+    padded = torch.zeros(rows, (groups + 3) // 4 * 4, dtype=torch.int64, device=scale.device)
+    padded[:, :groups] = ue8m0_bytes(scale).to(torch.int64)
+    words = padded.view(rows, -1, 4)
+    packed = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """int32 [M, ceil(G/4)] -> fp32 [M, G] scales (0xFF decodes to NaN)."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    exponents = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1).flatten(1)[:, :groups]
+    values = (exponents.to(torch.int32) << 23).view(torch.float32)
+    return torch.where(exponents == 0xFF, torch.full_like(values, float("nan")), values)
+
+
+def scales_fp32(scales: torch.Tensor, spec: VariantSpec, hidden: int) -> torch.Tensor:
+    """The per-group fp32 scales, [M, K/G], whatever the variant's format."""
+    if spec.format == "ue8m0_packed":
+        return unpack_ue8m0(scales, num_groups(hidden, spec.group))
+    return scales.float()
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, spec: VariantSpec) -> torch.Tensor:
+    """q * s broadcast per group, as fp32 [M, K]."""
+    rows, hidden = q.shape
+    per_group = scales_fp32(scales, spec, hidden)
+    return (q.float().view(rows, -1, spec.group) * per_group.unsqueeze(-1)).view(rows, hidden)
+
+
+def rms_norm_group_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    spec: VariantSpec,
+    residual: Optional[torch.Tensor] = None,
+    scale_ub: Optional[torch.Tensor] = None,
+):
+    """Return (q, scales, residual_out) for 2-D x [M, K]; residual_out is None without residual.
+
+    Non-finite values propagate: a group holding NaN gets a NaN scale and NaN codes.
+    """
+    rows, hidden = x.shape
+    dtype = TORCH_DTYPES[spec.dtype]
+    h = x.float() if residual is None else x.float() + residual.float()
+    residual_out = None if residual is None else h.to(dtype)
+
+    rms = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = ((h * rms).to(dtype).float() * weight.float()).to(dtype).float()
+
+    grouped = y.view(rows, num_groups(hidden, spec.group), spec.group)
+    absmax = grouped.abs().amax(dim=-1)
+    if scale_ub is not None:
+        absmax = torch.minimum(absmax, scale_ub.float().reshape(()))
+    scale = torch.clamp(absmax / FP8_MAX, min=MIN_SCALE)
+    if spec.pow2_scales:
+        scale = round_up_pow2(scale)
+
+    q = torch.clamp(grouped / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, hidden)
+
+    scales = empty_scales(spec, rows, hidden, x.device)
+    scales.copy_(pack_ue8m0(scale) if spec.format == "ue8m0_packed" else scale)
+    return q, scales, residual_out

@@ -1,0 +1,182 @@
+"""The variant spec: one frozen object that names, validates and hashes one kernel.
+
+Everything downstream (tensor expression, schedules, codegen, bundle, ops) is keyed
+on a ``VariantSpec``; its ``name`` is the stable identifier stored in manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from typing import Optional
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+LAYOUTS = ("row", "col")
+FORMATS = ("fp32", "ue8m0", "ue8m0_packed")
+OUT_DTYPES = ("float8_e4m3fn",)
+
+FP8_MAX = 448.0
+#: The smallest scale: keeps an all-zero group finite (q = 0) and matches vLLM's floor.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+#: Column-major scale rows are padded to this many for TMA's 16-byte alignment.
+TMA_ALIGN_ROWS = 4
+
+_NAME_RE = re.compile(
+    r"^(?P<dtype>bf16|fp16|fp32)_k(?P<hidden>\d+|dyn)_g(?P<group>\d+)"
+    r"(?P<residual>_res)?_(?P<layout>row|col)_(?P<format>ue8m0_packed|ue8m0|fp32)"
+    r"(?P<scale_ub>_ub)?$"
+)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _choice_error(argument: str, value, accepted) -> ValueError:
+    return ValueError(f"{argument}={value!r} is not supported; accepted: {', '.join(map(repr, accepted))}")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class VariantSpec:
+    """One fused RMSNorm + per-token-group FP8 quant kernel.
+
+    ``hidden=None`` is the dynamic-K variant: K is a runtime argument that must be a
+    multiple of ``group``.
+    """
+
+    dtype: str
+    hidden: Optional[int]
+    group: int = 128
+    residual: bool = False
+    layout: str = "row"
+    format: str = "fp32"
+    scale_ub: bool = False
+    out_dtype: str = "float8_e4m3fn"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise _choice_error("dtype", self.dtype, DTYPES)
+        if self.layout not in LAYOUTS:
+            raise _choice_error("layout", self.layout, LAYOUTS)
+        if self.format not in FORMATS:
+            raise _choice_error("format", self.format, FORMATS)
+        if self.out_dtype not in OUT_DTYPES:
+            raise _choice_error("out_dtype", self.out_dtype, OUT_DTYPES)
+        for flag in ("residual", "scale_ub"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag}={getattr(self, flag)!r} must be a bool")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0 or self.group % 8:
+            raise ValueError(f"group={self.group!r} must be a positive multiple of 8 (64 and 128 are the usual sizes)")
+        if self.hidden is not None:
+            if isinstance(self.hidden, bool) or not isinstance(self.hidden, int) or self.hidden <= 0:
+                raise ValueError(f"hidden={self.hidden!r} must be a positive int, or None for the dynamic-K variant")
+            if self.hidden % self.group:
+                raise ValueError(
+                    f"hidden={self.hidden} is not divisible by group={self.group}; "
+                    f"use a group that divides it, or hidden={round_up(self.hidden, self.group)}"
+                )
+        if self.format == "ue8m0_packed" and self.layout != "col":
+            raise ValueError(
+                f"format='ue8m0_packed' needs layout='col' (got layout={self.layout!r}); "
+                "packed scales exist only for the column-major TMA layout"
+            )
+
+    # -- naming -------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        hidden = "dyn" if self.hidden is None else str(self.hidden)
+        parts = [self.dtype, f"k{hidden}", f"g{self.group}"]
+        if self.residual:
+            parts.append("res")
+        parts += [self.layout, self.format]
+        if self.scale_ub:
+            parts.append("ub")
+        return "_".join(parts)
+
+    @classmethod
+    def parse(cls, name: str) -> "VariantSpec":
+        match = _NAME_RE.match(name)
+        if not match:
+            raise ValueError(
+                f"variant name {name!r} does not parse; expected e.g. 'bf16_k7168_g128_res_col_ue8m0' "
+                "(dtype_k<K|dyn>_g<G>[_res]_<row|col>_<fp32|ue8m0|ue8m0_packed>[_ub])"
+            )
+        groups = match.groupdict()
+        return cls(
+            dtype=groups["dtype"],
+            hidden=None if groups["hidden"] == "dyn" else int(groups["hidden"]),
+            group=int(groups["group"]),
+            residual=groups["residual"] is not None,
+            layout=groups["layout"],
+            format=groups["format"],
+            scale_ub=groups["scale_ub"] is not None,
+        )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "VariantSpec":
+        return cls(**data)
+
+    def digest(self) -> str:
+        """A content hash of the spec, stable across processes and Python versions."""
+        canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        return self.name
+
+    # -- derived facts ------------------------------------------------------------------------
+
+    @property
+    def tvm_dtype(self) -> str:
+        return DTYPES[self.dtype]
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.hidden is None
+
+    @property
+    def pow2_scales(self) -> bool:
+        return self.format in ("ue8m0", "ue8m0_packed")
+
+    def accepts_hidden(self, hidden: int) -> Optional[str]:
+        """None when this variant can run rows of ``hidden`` elements; otherwise why not."""
+        if self.hidden is not None:
+            return None if hidden == self.hidden else f"built for hidden={self.hidden}, not {hidden}"
+        if hidden <= 0 or hidden % self.group:
+            return f"hidden={hidden} is not a positive multiple of group={self.group}"
+        if self.format == "ue8m0_packed" and hidden % (4 * self.group):
+            return f"the dynamic-K packed kernel needs hidden % {4 * self.group} == 0 (whole UE8M0 words), got {hidden}"
+        return None
+
+    def with_hidden(self, hidden: Optional[int]) -> "VariantSpec":
+        return dataclasses.replace(self, hidden=hidden)
+
+
+def num_groups(hidden: int, group: int) -> int:
+    return hidden // group
+
+
+def scale_geometry(spec: VariantSpec, rows: int, hidden: Optional[int] = None):
+    """(shape, strides, storage rows, dtype name) of the scale tensor for ``rows`` tokens.
+
+    ``row``: [M, K/G] contiguous.  ``col``: logical [M, K/G] with strides (1, round_up(M, 4)),
+    stored as [K/G, round_up(M, 4)].  ``ue8m0_packed``: int32 [M, ceil(K/G/4)], col strides.
+    """
+    hidden = spec.hidden if hidden is None else hidden
+    if hidden is None:
+        raise ValueError("scale_geometry of a dynamic-K spec needs hidden=")
+    groups = num_groups(hidden, spec.group)
+    if spec.format == "ue8m0_packed":
+        cols, dtype = (groups + 3) // 4, "int32"
+    else:
+        cols, dtype = groups, "float32"
+    if spec.layout == "row":
+        return (rows, cols), (cols, 1), rows, dtype
+    padded = round_up(rows, TMA_ALIGN_ROWS)
+    return (rows, cols), (1, padded), padded, dtype
