@@ -1,0 +1,40 @@
+"""On-disk layout of a kernel bundle, shared by the builder and the loader.
+
+    <dir>/CURRENT                    digest of the live bundle
+    <dir>/bundles/<digest>/manifest.json, lib_*.so, lib_*.cu
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+CURRENT_FILE = "CURRENT"
+
+
+def bundle_dir(root: Path, digest: str) -> Path:
+    return Path(root) / "bundles" / digest
+
+
+def read_current(root: Path) -> Optional[str]:
+    """The live bundle's digest, or None when ``root`` has none."""
+    try:
+        digest = (Path(root) / CURRENT_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return digest or None
+
+
+def default_cache_dir() -> Path:
+    """$TVM_RMSQUANT_CACHE, else $XDG_CACHE_HOME/tvm_rmsquant, else ~/.cache/tvm_rmsquant."""
+    root = os.environ.get("TVM_RMSQUANT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tvm_rmsquant"
+    )
+    return Path(root)
+
+
+def default_bundle_dir() -> Path:
+    return default_cache_dir() / "bundle"

@@ -1,0 +1,131 @@
+"""``python -m tvm_rmsquant``: build, list, inspect and self-check kernel bundles."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .bundle_format import default_bundle_dir
+
+
+def _parse_hidden(text: str) -> List[int]:
+    try:
+        values = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hidden={text!r}: expected integers such as 4096,7168") from None
+    if not values or any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"--hidden={text!r}: expected positive integers such as 4096,7168")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tvm_rmsquant", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    build = commands.add_parser("build", help="offline build of a kernel bundle (needs the [build] extra and nvcc)")
+    build.add_argument("--preset", default="default", choices=["default", "all"])
+    build.add_argument("--hidden", type=_parse_hidden, help="only these hidden sizes, e.g. 4096,7168")
+    build.add_argument("--dtype", action="append", choices=["bf16", "fp16", "fp32"], help="only these dtypes (repeatable)")
+    build.add_argument("--out", type=Path, default=default_bundle_dir(), help="bundle directory (default: %(default)s)")
+    build.add_argument("-j", "--jobs", type=int, default=2, help="parallel lowering processes and nvcc invocations")
+    build.add_argument("--cache", type=Path, help="build cache directory (default: ~/.cache/tvm_rmsquant)")
+
+    listing = commands.add_parser("list", help="variants in a bundle")
+    listing.add_argument("--bundle", type=Path)
+
+    inspect = commands.add_parser("inspect", help="one variant: spec, schedule knobs, registers/spills, source")
+    inspect.add_argument("name")
+    inspect.add_argument("--bundle", type=Path)
+
+    check = commands.add_parser("self-check", help="CPU check: the tensor expression (llvm) against the torch reference")
+    check.add_argument("--hidden", type=_parse_hidden, default=[128, 4096])
+    return parser
+
+
+def _build(args) -> int:
+    from .presets import preset
+
+    try:
+        from .codegen import bundle as builder
+        from .codegen.nvcc import NvccError, find_nvcc
+
+        find_nvcc()
+    except ImportError as error:
+        print(f"error: the build step needs the [build] extra (pip install 'tvm-rmsquant[build]'): {error}", file=sys.stderr)
+        return 2
+    except NvccError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print(f"error: -j/--jobs={args.jobs}: expected a positive integer", file=sys.stderr)
+        return 2
+    try:
+        specs = preset(args.preset, hidden=args.hidden, dtypes=args.dtype)
+    except ValueError as error:
+        print(f"error: unsupported spec: {error}", file=sys.stderr)
+        return 2
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    libraries = builder.plan(specs)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
+        tasks = {
+            "lower": bar.add_task("lower (TVM)", total=len(specs)),
+            "compile": bar.add_task("compile (nvcc)", total=len(libraries)),
+        }
+        try:
+            report = builder.build(specs, args.out, jobs=args.jobs, cache_dir=args.cache, progress=lambda stage, n: bar.advance(tasks[stage], n))
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                print(f"error: disk full while building into {args.out} or its cache: {error}; nothing was published", file=sys.stderr)
+                return 1
+            raise
+        except NvccError as error:
+            print(f"error: {error}\nnothing was published", file=sys.stderr)
+            return 1
+    print(report.summary())
+    return 0
+
+
+def _open(path: Optional[Path]):
+    from .loader import open_bundle
+
+    return open_bundle(path)
+
+
+def _list(args) -> int:
+    bundle = _open(args.bundle)
+    print(f"{bundle.path} ({len(bundle.names())} variants, {bundle.target_arch})")
+    for name in bundle.names():
+        entry = bundle.entry(name)
+        print(f"  {name:44s} {entry['rule']:14s} {json.dumps(entry['knobs'], sort_keys=True)}")
+    return 0
+
+
+def _inspect(args) -> int:
+    bundle = _open(args.bundle)
+    entry = bundle.entry(args.name)
+    library = bundle.manifest["libraries"][entry["library"]]
+    print(json.dumps({**entry, "source_path": str(bundle.path / library["source"]), "library_path": str(bundle.path / entry["library"])}, indent=2, sort_keys=True))
+    return 0
+
+
+def _self_check(args) -> int:
+    from .selfcheck import run_cpu_self_check
+
+    return 0 if run_cpu_self_check(args.hidden) else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from .loader import BundleError
+
+    try:
+        return {"build": _build, "list": _list, "inspect": _inspect, "self-check": _self_check}[args.command](args)
+    except BundleError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1

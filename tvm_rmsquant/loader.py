@@ -1,0 +1,152 @@
+"""Load a prebuilt bundle with tvm-ffi alone, after checking that it is what it says.
+
+The bundle location is, in order: the ``path`` argument, ``$TVM_RMSQUANT_BUNDLE``,
+a bundle shipped inside the package (``tvm_rmsquant/_bundle``), then the build's
+default output directory (``~/.cache/tvm_rmsquant/bundle``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from importlib import metadata
+from pathlib import Path
+from typing import Dict, Optional
+
+from .bundle_format import MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, read_current
+from .spec import VariantSpec
+
+ENV_VAR = "TVM_RMSQUANT_BUNDLE"
+PACKAGE_BUNDLE = Path(__file__).parent / "_bundle"
+#: sm_90a machine code runs on compute capability 9.0 only.
+ARCH_CAPABILITY = {"sm_90a": (9, 0)}
+
+
+class BundleError(RuntimeError):
+    """A bundle is missing, corrupted, or was built for another toolchain or GPU."""
+
+
+def resolve_path(path=None) -> Path:
+    """Where to load the bundle from (see the module docstring)."""
+    if path is not None:
+        return Path(path)
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR])
+    if read_current(PACKAGE_BUNDLE):
+        return PACKAGE_BUNDLE
+    return default_bundle_dir()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Bundle:
+    """A verified bundle: its manifest, and its kernels loaded on first use."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        digest = read_current(self.root)
+        if digest is None:
+            raise BundleError(
+                f"no bundle at {self.root} (no CURRENT file); build one with "
+                f"`python -m tvm_rmsquant build --out {self.root}` or set ${ENV_VAR}"
+            )
+        self.path = bundle_dir(self.root, digest)
+        manifest_path = self.path / MANIFEST_FILE
+        try:
+            raw = manifest_path.read_bytes()
+        except FileNotFoundError:
+            raise BundleError(f"bundle {self.path} has no {MANIFEST_FILE}; CURRENT names a bundle that is not there") from None
+        if hashlib.sha256(raw).hexdigest()[:16] != digest:
+            raise BundleError(f"{manifest_path} does not match its digest {digest}: the manifest was modified or corrupted")
+        try:
+            self.manifest = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise BundleError(f"{manifest_path} is not valid JSON: {error}") from None
+        self._verify()
+        self._modules: Dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def _verify(self) -> None:
+        manifest = self.manifest
+        if manifest.get("schema_version") != SCHEMA_VERSION:
+            raise BundleError(
+                f"bundle schema_version={manifest.get('schema_version')!r}, this package reads {SCHEMA_VERSION}; rebuild the bundle"
+            )
+        built_ffi = manifest["toolchain"]["apache-tvm-ffi"]
+        installed_ffi = metadata.version("apache-tvm-ffi")
+        if built_ffi != installed_ffi:
+            raise BundleError(
+                f"bundle was built against apache-tvm-ffi {built_ffi}, but {installed_ffi} is installed; "
+                f"install apache-tvm-ffi=={built_ffi} or rebuild the bundle"
+            )
+        if manifest["toolchain"]["target_arch"] not in ARCH_CAPABILITY:
+            raise BundleError(f"bundle targets {manifest['toolchain']['target_arch']!r}, which this package cannot run")
+        for library, entry in manifest["libraries"].items():
+            for name, expected in ((library, entry["sha256"]), (entry["source"], entry["source_sha256"])):
+                path = self.path / name
+                if not path.exists():
+                    raise BundleError(f"bundle {self.path} is missing {name}")
+                actual = _sha256(path)
+                if actual != expected:
+                    raise BundleError(f"{path} has sha256 {actual[:12]}…, the manifest says {expected[:12]}…: the file is corrupted")
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def target_arch(self) -> str:
+        return self.manifest["toolchain"]["target_arch"]
+
+    def names(self):
+        return sorted(self.manifest["variants"])
+
+    def __contains__(self, spec) -> bool:
+        return (spec.name if isinstance(spec, VariantSpec) else spec) in self.manifest["variants"]
+
+    def entry(self, name: str) -> Dict:
+        try:
+            return self.manifest["variants"][name]
+        except KeyError:
+            raise BundleError(f"bundle {self.path} has no variant {name!r}") from None
+
+    def check_device(self, capability) -> None:
+        """Refuse a GPU whose compute capability cannot run this bundle's machine code."""
+        wanted = ARCH_CAPABILITY[self.target_arch]
+        if tuple(capability) != wanted:
+            raise BundleError(
+                f"bundle is built for {self.target_arch} (compute capability {wanted[0]}.{wanted[1]}), "
+                f"the device has {capability[0]}.{capability[1]}"
+            )
+
+    # -- kernels ---------------------------------------------------------------------------------
+
+    def function(self, name: str):
+        """The tvm-ffi function of variant ``name`` (its library is loaded once)."""
+        import tvm_ffi
+
+        entry = self.entry(name)
+        with self._lock:
+            module = self._modules.get(entry["library"])
+            if module is None:
+                module = tvm_ffi.load_module(str(self.path / entry["library"]))
+                self._modules[entry["library"]] = module
+        return module[entry["symbol"]]
+
+
+_OPENED: Dict[Path, Bundle] = {}
+
+
+def open_bundle(path=None) -> Bundle:
+    """The bundle at ``path`` (resolved as in the module docstring), opened once per process."""
+    root = resolve_path(path).resolve()
+    bundle = _OPENED.get(root)
+    if bundle is None or read_current(root) != bundle.path.name:
+        bundle = _OPENED[root] = Bundle(root)
+    return bundle

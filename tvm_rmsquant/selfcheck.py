@@ -1,0 +1,45 @@
+"""The CPU self-check: build a variant set for llvm and compare it with the reference."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+
+from . import cpu, launch, reference
+from .checks import compare, random_inputs
+from .spec import FORMATS, VariantSpec
+
+
+def self_check_specs(hidden: Sequence[int]):
+    for k, dtype, residual, (layout, fmt) in itertools.product(
+        hidden, ("bf16", "fp16", "fp32"), (False, True), [("row", "fp32"), ("row", "ue8m0")] + [("col", f) for f in FORMATS]
+    ):
+        yield VariantSpec(dtype, k, 128 if k % 128 == 0 else 64, residual, layout, fmt)
+
+
+def run_cpu_kernel(spec: VariantSpec, inputs, eps: float = 1e-6):
+    """(q, scales, residual_out) from the llvm build of ``spec``."""
+    x = inputs["x"]
+    rows, hidden = x.shape
+    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn)
+    scales = reference.empty_scales(spec, rows, hidden, "cpu")
+    residual_out = torch.empty_like(x) if spec.residual else None
+    launch.run(cpu.function(spec), spec, x, inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
+    return q, scales, residual_out
+
+
+def run_cpu_self_check(hidden: Sequence[int], rows: int = 67) -> bool:
+    if not cpu.available():
+        print("self-check needs the TVM compiler: pip install -e '.[build]'")
+        return False
+    passed = True
+    for index, spec in enumerate(self_check_specs(hidden)):
+        inputs = random_inputs(spec, rows, spec.hidden, seed=index)
+        want = reference.rms_norm_group_quant(inputs["x"], inputs["weight"], 1e-6, spec, inputs["residual"], inputs["scale_ub"])
+        agreement = compare(spec, run_cpu_kernel(spec, inputs), want, spec.hidden)
+        passed &= agreement.passed
+        print(f"{'ok  ' if agreement.passed else 'FAIL'} {spec.name:40s} {agreement.describe()}")
+    print("self-check passed" if passed else "self-check FAILED")
+    return passed
