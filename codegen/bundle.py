@@ -120,7 +120,7 @@ def toolchain() -> Dict[str, str]:
 def plan(specs: Sequence[VariantSpec], choose=default_schedule) -> Dict[str, List[PlannedVariant]]:
     """Each spec's schedule, grouped into libraries by (dtype, residual, static/dynamic K)."""
     libraries: Dict[str, List[PlannedVariant]] = {}
-    for spec in sorted(set(specs)):
+    for spec in sorted(set(specs), key=lambda spec: spec.name):
         rule, knobs = choose(spec)
         name = f"lib_{spec.dtype}_{'res' if spec.residual else 'nores'}_{'dyn' if spec.is_dynamic else 'static'}"
         libraries.setdefault(name, []).append(PlannedVariant(spec, rule, tuple(sorted(knobs.items()))))

@@ -6,7 +6,9 @@ one unit of the reference, where the unit is what the scale can honestly resolve
 
 * UE8M0: one power of two.
 * fp32 scales of bf16/fp16 input: one ulp of the dtype at the group's absmax (s * 448),
-  since y is rounded to the dtype before its absmax is taken.
+  since y is rounded to the dtype before its absmax is taken, with a tolerance of two
+  units: y = dtype(dtype(h * rms) * w) rounds twice, so one flip of the inner rounding
+  (an rms one fp32 ulp off, from another summation order) moves y by up to two ulps.
 * fp32 scales of fp32 input: y is not rounded, so the order in which the kernel sums
   h^2 shows through. The unit is then K/2 fp32 ulps, the worst-case error bound of an
   fp32 sum of K terms relative to any other order (Higham's gamma_K); the measured
@@ -37,13 +39,14 @@ class Agreement:
     scales_max_ulps: float
     residual_identical: Optional[bool]
     nan_mismatch: int
+    scale_tolerance: float = 1.0
 
     @property
     def passed(self) -> bool:
         return (
             self.codes_identical >= MIN_IDENTICAL_CODES
             and self.codes_max_distance <= 1
-            and self.scales_max_units <= 1.0
+            and self.scales_max_units <= self.scale_tolerance
             and self.residual_identical is not False
             and self.nan_mismatch == 0
         )
@@ -114,6 +117,7 @@ def compare(spec: VariantSpec, got, want, hidden: int) -> Agreement:
         scales_max_ulps=float(_fp32_ulps(ours, ref).max()) if ours.numel() else 0.0,
         residual_identical=residual_identical,
         nan_mismatch=nan_mismatch,
+        scale_tolerance=2.0 if spec.dtype in ("bf16", "fp16") and not spec.pow2_scales else 1.0,
     )
 
 

@@ -41,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("name")
     inspect.add_argument("--bundle", type=Path)
 
+    bench = commands.add_parser("bench", help="GPU benchmark against peers (CSV, markdown table, plot)")
+    bench.add_argument("--bundle", type=Path)
+    bench.add_argument("--hidden", type=_parse_hidden, default=[2048, 4096, 5120, 7168, 8192])
+    bench.add_argument("--rows", type=_parse_hidden, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
+    bench.add_argument("--providers", default="ours,torch_eager", help="comma-separated: ours, torch_eager, torch_compile, triton")
+    bench.add_argument("--formats", default="row:fp32,col:fp32,col:ue8m0", help="layout:format pairs")
+    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    bench.add_argument("--out", type=Path, default=Path("bench-results"))
+
     check = commands.add_parser("self-check", help="CPU check: the tensor expression (llvm) against the torch reference")
     check.add_argument("--hidden", type=_parse_hidden, default=[128, 4096])
     return parser
@@ -114,6 +123,14 @@ def _inspect(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .bench import run_benchmark
+
+    formats = [tuple(pair.split(":")) for pair in args.formats.split(",")]
+    run_benchmark(_open(args.bundle), args.dtype, args.hidden, args.rows, formats, args.providers.split(","), args.out)
+    return 0
+
+
 def _self_check(args) -> int:
     from .selfcheck import run_cpu_self_check
 
@@ -125,7 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .loader import BundleError
 
     try:
-        return {"build": _build, "list": _list, "inspect": _inspect, "self-check": _self_check}[args.command](args)
+        return {"build": _build, "list": _list, "inspect": _inspect, "bench": _bench, "self-check": _self_check}[args.command](args)
     except BundleError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

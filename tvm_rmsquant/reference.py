@@ -89,7 +89,9 @@ def rms_norm_group_quant(
     h = x.float() if residual is None else x.float() + residual.float()
     residual_out = None if residual is None else h.to(dtype)
 
-    rms = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    # 1 / sqrt rather than torch.rsqrt: both roundings are exact on CPU and CUDA alike,
+    # where CUDA's rsqrt is approximate; the kernels compute it the same way.
+    rms = 1.0 / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
     y = ((h * rms).to(dtype).float() * weight.float()).to(dtype).float()
 
     grouped = y.view(rows, num_groups(hidden, spec.group), spec.group)

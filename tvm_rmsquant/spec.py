@@ -38,7 +38,7 @@ def _choice_error(argument: str, value, accepted) -> ValueError:
     return ValueError(f"{argument}={value!r} is not supported; accepted: {', '.join(map(repr, accepted))}")
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True)
 class VariantSpec:
     """One fused RMSNorm + per-token-group FP8 quant kernel.
 

@@ -1,0 +1,78 @@
+"""GPU check of the bundle: every default-preset variant against the torch reference.
+
+Same bar as the CPU check (tvm_rmsquant.checks), on random data with outliers, at
+M in {1, 7, 64, 1000, 4096}; outputs are poisoned first so an unwritten element fails.
+Each scale tensor's layout is checked too: strides, TMA alignment, powers of two, and
+the byte order of packed words.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tvm_rmsquant import launch, reference
+from tvm_rmsquant.checks import compare, random_inputs
+from tvm_rmsquant.presets import preset
+from tvm_rmsquant.spec import TMA_ALIGN_ROWS, VariantSpec, round_up
+
+pytestmark = pytest.mark.gpu
+
+ROWS = (1, 7, 64, 1000, 4096)
+DYNAMIC_HIDDEN = (2048, 5120)
+
+
+def _cases():
+    for spec in preset("default"):
+        for hidden in ([spec.hidden] if spec.hidden else DYNAMIC_HIDDEN):
+            yield pytest.param(spec, hidden, id=f"{spec.name}-k{hidden}")
+
+
+def run_bundle_kernel(bundle, spec, inputs, eps=1e-6):
+    x = inputs["x"]
+    rows, hidden = x.shape
+    q = torch.full((rows, hidden), float("nan"), dtype=torch.float32, device="cuda").to(torch.float8_e4m3fn)
+    scales = reference.empty_scales(spec, rows, hidden, "cuda")
+    scales.view(torch.int32).fill_(-1) if scales.dtype == torch.int32 else scales.fill_(float("nan"))
+    residual_out = torch.full_like(x, float("nan")) if spec.residual else None
+    launch.run(bundle.function(spec.name), spec, x, inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
+    torch.cuda.synchronize()
+    return q, scales, residual_out
+
+
+def check_layout(spec: VariantSpec, scales: torch.Tensor, rows: int, hidden: int):
+    groups = hidden // spec.group
+    cols = (groups + 3) // 4 if spec.format == "ue8m0_packed" else groups
+    assert tuple(scales.shape) == (rows, cols)
+    if spec.layout == "row":
+        assert scales.stride() == (cols, 1)
+    else:
+        assert scales.stride() == (1, round_up(rows, TMA_ALIGN_ROWS))
+        assert scales.stride(1) * scales.element_size() % 16 == 0, "col scales must be TMA (16-byte) aligned"
+    values = reference.scales_fp32(scales, spec, hidden)
+    if spec.pow2_scales:
+        mantissa = values.view(torch.int32) & 0x7FFFFF
+        assert int(mantissa.abs().sum()) == 0, "UE8M0 scales must be powers of two"
+    if spec.format == "ue8m0_packed":
+        words = scales.cpu().to(torch.int64) & 0xFFFFFFFF
+        first_byte = (words[:, 0] & 0xFF).to(torch.int32)
+        assert torch.equal(first_byte, (values[:, 0].cpu().view(torch.int32) >> 23) & 0xFF), "group 0 must be byte 0 (little-endian)"
+        if groups % 4:
+            padding = words[:, -1] >> (8 * (groups % 4))
+            assert int(padding.sum()) == 0, "padding bytes must be 0"
+
+
+@pytest.mark.parametrize("spec,hidden", list(_cases()))
+def test_variant_matches_reference(gpu_bundle, spec, hidden, record_property):
+    summaries = []
+    for seed, rows in enumerate(ROWS):
+        inputs = random_inputs(spec, rows, hidden, seed=seed, device="cuda")
+        got = run_bundle_kernel(gpu_bundle, spec, inputs)
+        cpu_inputs = {key: (value.cpu() if value is not None else None) for key, value in inputs.items()}
+        want = reference.rms_norm_group_quant(cpu_inputs["x"], cpu_inputs["weight"], 1e-6, spec, cpu_inputs["residual"], cpu_inputs["scale_ub"])
+        check_layout(spec, got[1], rows, hidden)
+        agreement = compare(spec, got, want, hidden)
+        summaries.append(f"M={rows}: {agreement.describe()}")
+        assert agreement.passed, f"{spec.name} K={hidden} M={rows}: {agreement.describe()}"
+    record_property("agreement", "; ".join(summaries))
+    print(f"{spec.name} K={hidden}: " + "; ".join(summaries))

@@ -1,0 +1,203 @@
+"""GPU benchmark: our kernels against the peers a user would pick instead.
+
+Every provider's output is checked against the reference (tvm_rmsquant.checks) before
+it is timed. Timing: median of CUDA-event measurements; shapes with M <= 256 run as a
+CUDA graph of many calls so launch gaps do not count; inputs rotate among enough copies
+to exceed the L2 cache. The floor is the bytes the op must move (x, r, w read once; q,
+scales, r written once) over the device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import launch, reference
+from .checks import compare, random_inputs
+from .spec import VariantSpec, scale_geometry
+
+L2_BYTES = 60 * 2**20
+GRAPH_ROWS = 256
+GRAPH_CALLS = 100
+
+
+@dataclasses.dataclass
+class Point:
+    provider: str
+    spec: str
+    rows: int
+    hidden: int
+    microseconds: float
+    gigabytes_per_second: float
+    ceiling_fraction: float
+    agreement: str
+
+
+def op_bytes(spec: VariantSpec, rows: int, hidden: int) -> int:
+    """The fewest bytes the op moves: inputs read once, outputs written once."""
+    item = reference.TORCH_DTYPES[spec.dtype].itemsize
+    shape, _, stored_rows, _ = scale_geometry(spec, rows, hidden)
+    scale_bytes = shape[0] * shape[1] * 4
+    moved = rows * hidden * item + hidden * item + rows * hidden + scale_bytes
+    if spec.residual:
+        moved += 2 * rows * hidden * item
+    return moved
+
+
+def _events_median(run: Callable[[], None], repeats: int) -> float:
+    """Median milliseconds of ``run`` over ``repeats`` event-timed calls."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_ceiling(gigabytes: float = 4.0) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    elements = int(gigabytes * 1e9 / 2 / 4)
+    source = torch.randn(elements, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    milliseconds = _events_median(lambda: target.copy_(source), 20)
+    return 2 * source.numel() * 4 / (milliseconds * 1e-3) / 1e9
+
+
+def time_call(make_call: Callable[[int], Callable[[], None]], copies: int, rows: int) -> float:
+    """Microseconds per call; ``make_call(i)`` runs on input copy i."""
+    calls = [make_call(i) for i in range(copies)]
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    if rows <= GRAPH_ROWS:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for call in calls:
+                call()
+            with torch.cuda.graph(graph, stream=stream):
+                for index in range(GRAPH_CALLS):
+                    calls[index % copies]()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        return _events_median(graph.replay, 20) * 1e3 / GRAPH_CALLS
+    index = [0]
+
+    def rotate():
+        calls[index[0] % copies]()
+        index[0] += 1
+
+    return _events_median(rotate, 50) * 1e3
+
+
+class OursProvider:
+    name = "ours"
+
+    def __init__(self, bundle):
+        self.bundle = bundle
+
+    def supports(self, spec: VariantSpec) -> bool:
+        return spec in self.bundle
+
+    def prepare(self, spec: VariantSpec, inputs: Dict, eps: float):
+        """Returns (call, outputs): ``call()`` writes ``outputs`` = (q, scales, residual_out)."""
+        x = inputs["x"]
+        rows, hidden = x.shape
+        function = self.bundle.function(spec.name)
+        q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = reference.empty_scales(spec, rows, hidden, x.device)
+        residual_out = torch.empty_like(x) if spec.residual else None
+        args = launch.kernel_args(spec, x, inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
+        return (lambda: function(*args)), (q, scales, residual_out)
+
+
+class ReferenceProvider:
+    """Unfused eager torch: the reference itself."""
+
+    name = "torch_eager"
+
+    def supports(self, spec: VariantSpec) -> bool:
+        return True
+
+    def prepare(self, spec: VariantSpec, inputs: Dict, eps: float):
+        outputs = []
+
+        def call():
+            outputs[:] = reference.rms_norm_group_quant(inputs["x"], inputs["weight"], eps, spec, inputs["residual"], inputs["scale_ub"])
+
+        call()
+        return call, tuple(outputs)
+
+
+def measure(provider, spec: VariantSpec, rows: int, hidden: int, ceiling: float, eps: float = 1e-6) -> Optional[Point]:
+    """Check ``provider`` on fresh random inputs, then time it. None if it is unsupported."""
+    if not provider.supports(spec):
+        return None
+    inputs = random_inputs(spec, rows, hidden, seed=rows * 7 + hidden, device="cuda")
+    call, outputs = provider.prepare(spec, inputs, eps)
+    call()
+    torch.cuda.synchronize()
+    cpu = {key: (value.cpu() if value is not None else None) for key, value in inputs.items()}
+    want = reference.rms_norm_group_quant(cpu["x"], cpu["weight"], eps, spec, cpu["residual"], cpu["scale_ub"])
+    agreement = compare(spec, outputs, want, hidden)
+    moved = op_bytes(spec, rows, hidden)
+    if not agreement.passed:
+        # A wrong provider is reported, never timed.
+        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), "WRONG: " + agreement.describe())
+    copies = max(1, min(8, -(-3 * L2_BYTES // max(moved, 1))))
+    input_sets = [inputs] + [random_inputs(spec, rows, hidden, seed=rows * 7 + hidden + i, device="cuda") for i in range(1, copies)]
+    makers = [provider.prepare(spec, one, eps)[0] for one in input_sets]
+    microseconds = time_call(lambda i: makers[i], copies, rows)
+    rate = moved / (microseconds * 1e-6) / 1e9
+    return Point(provider.name, spec.name, rows, hidden, microseconds, rate, rate / ceiling, agreement.describe())
+
+
+def write_results(points: List[Point], ceiling: float, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "bench.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[field.name for field in dataclasses.fields(Point)])
+        writer.writeheader()
+        for point in points:
+            writer.writerow(dataclasses.asdict(point))
+    (out / "bench.json").write_text(json.dumps({"copy_ceiling_gbps": ceiling, "points": [dataclasses.asdict(p) for p in points]}, indent=1))
+
+
+def providers_by_name(names, bundle):
+    known = {"ours": lambda: OursProvider(bundle), "torch_eager": ReferenceProvider}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"providers {unknown} are unknown; known: {sorted(known)}")
+    return [known[name]() for name in names]
+
+
+def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, provider_names, out: Path) -> List[Point]:
+    providers = providers_by_name(provider_names, bundle)
+    ceiling = copy_ceiling()
+    print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
+    points = []
+    for hidden in hidden_sizes:
+        for residual in (False, True):
+            for layout, fmt in formats:
+                spec = VariantSpec(dtype, hidden, 128, residual, layout, fmt)
+                for rows in rows_list:
+                    for provider in providers:
+                        point = measure(provider, spec, rows, hidden, ceiling)
+                        if point is not None:
+                            points.append(point)
+                            wrong = "  " + point.agreement if point.agreement.startswith("WRONG") else ""
+                            print(f"{point.provider:12s} {spec.name:34s} M={rows:6d} {point.microseconds:9.2f} us {point.gigabytes_per_second:7.0f} GB/s {100 * point.ceiling_fraction:5.1f}%{wrong}", flush=True)
+    write_results(points, ceiling, out)
+    return points
