@@ -32,3 +32,25 @@ def gpu_bundle():
         pytest.fail(f"GPU tests need a built bundle: {error} (TVM_RMSQUANT_BUNDLE={os.environ.get('TVM_RMSQUANT_BUNDLE')})")
     bundle.check_device(torch.cuda.get_device_capability())
     return bundle
+
+
+def pytest_terminal_summary(terminalreporter):
+    """State the measured CPU equivalence fractions (the issue's bar) in the output."""
+    try:
+        from test_expr_cpu import AGREEMENTS
+    except ImportError:
+        return
+    if not AGREEMENTS:
+        return
+    write = terminalreporter.write_line
+    elements = sum(a.elements for *_, a in AGREEMENTS)
+    worst_codes = min(AGREEMENTS, key=lambda row: row[3].codes_identical)
+    worst_scales = max(AGREEMENTS, key=lambda row: row[3].scales_max_units)
+    identical = sum(a.codes_identical * a.elements for *_, a in AGREEMENTS) / max(elements, 1)
+    write(f"CPU equivalence: {len(AGREEMENTS)} (spec, K, M) cases, {elements} fp8 codes")
+    write(f"  codes identical overall {identical:.7f}; worst case {worst_codes[3].codes_identical:.6f} ({worst_codes[0]} K={worst_codes[1]} M={worst_codes[2]})")
+    write(f"  max code distance {max(a.codes_max_distance for *_, a in AGREEMENTS)}; scales exactly equal overall "
+          f"{sum(a.scales_exact for *_, a in AGREEMENTS) / len(AGREEMENTS):.6f}")
+    write(f"  largest scale difference {worst_scales[3].scales_max_units:.3g} units ({worst_scales[0]} K={worst_scales[1]} M={worst_scales[2]})")
+    write(f"  residual outputs bit-identical in {sum(1 for *_, a in AGREEMENTS if a.residual_identical)} of "
+          f"{sum(1 for *_, a in AGREEMENTS if a.residual_identical is not None)} residual cases")

@@ -7,5 +7,9 @@ the TVM compiler is needed only to build kernels (``tvm_rmsquant.codegen``).
 __version__ = "0.1.0"
 
 from .spec import VariantSpec  # noqa: E402
+from .loader import Bundle, BundleError, open_bundle  # noqa: E402
+from . import ops  # noqa: E402  (registers torch.ops.tvm_rmsquant.*)
+from .api import rms_norm_group_quant  # noqa: E402
+from .dispatch import BoundKernel, select  # noqa: E402
 
-__all__ = ["VariantSpec", "__version__"]
+__all__ = ["Bundle", "BoundKernel", "BundleError", "VariantSpec", "open_bundle", "ops", "rms_norm_group_quant", "select", "__version__"]

@@ -45,7 +45,7 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     rows, groups = scale.shape
     padded = torch.zeros(rows, (groups + 3) // 4 * 4, dtype=torch.int64, device=scale.device)
     padded[:, :groups] = ue8m0_bytes(scale).to(torch.int64)
-    words = padded.view(rows, -1, 4)
+    words = padded.view(rows, padded.shape[1] // 4, 4)
     packed = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 

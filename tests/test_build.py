@@ -1,0 +1,140 @@
+"""The offline build step: codegen, nvcc, manifest, cache, atomic publish and loading checks.
+
+Builds a small bundle with the real toolchain (nvcc compiles sm_90a without a GPU).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tvm", reason="the build step needs the TVM compiler ([build] extra)")
+
+from tvm_rmsquant.bundle_format import MANIFEST_FILE, read_current  # noqa: E402
+from tvm_rmsquant.codegen import bundle as builder  # noqa: E402
+from tvm_rmsquant.codegen.nvcc import NvccError, find_nvcc, parse_ptxas  # noqa: E402
+from tvm_rmsquant.loader import Bundle, BundleError  # noqa: E402
+from tvm_rmsquant.spec import VariantSpec  # noqa: E402
+
+try:
+    find_nvcc()
+except NvccError:
+    pytest.skip("nvcc is not installed", allow_module_level=True)
+
+SPECS = [
+    VariantSpec("bf16", 2048, 128, True, "col", "ue8m0_packed"),
+    VariantSpec("bf16", 2048, 128, False, "row", "fp32"),
+    VariantSpec("bf16", None, 128, False, "col", "fp32"),
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    report = builder.build(SPECS, root / "bundle", jobs=2, cache_dir=root / "cache")
+    return root, report
+
+
+def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
+    root, report = built
+    assert report.published and report.variants == 3 and report.lowered == report.compiled == report.libraries == 3
+    bundle = Bundle(root / "bundle")
+    manifest = bundle.manifest
+    assert set(manifest["toolchain"]) == {"package", "apache-tvm", "apache-tvm-ffi", "nvcc", "target_arch"}
+    assert manifest["toolchain"]["apache-tvm"] == "0.27.0.post1" and manifest["toolchain"]["target_arch"] == "sm_90a"
+    assert bundle.names() == sorted(spec.name for spec in SPECS)
+    for spec in SPECS:
+        entry = bundle.entry(spec.name)
+        assert VariantSpec.from_json(entry["spec"]) == spec
+        assert entry["ptxas"]["registers"] > 0 and entry["ptxas"]["spill_stores"] == 0
+        assert (bundle.path / manifest["libraries"][entry["library"]]["source"]).read_text().count(f"{spec.name}_kernel") >= 2
+    assert bundle.entry(SPECS[2].name)["rule"] == "dynamic_rows" and bundle.entry(SPECS[0].name)["rule"] == "row_resident"
+
+
+def test_libraries_need_only_tvm_ffi_and_cudart(built):
+    root, _ = built
+    bundle = Bundle(root / "bundle")
+    for library in bundle.manifest["libraries"]:
+        needed = subprocess.run(["readelf", "-d", str(bundle.path / library)], capture_output=True, text=True).stdout
+        names = {line.split("[")[1].split("]")[0] for line in needed.splitlines() if "(NEEDED)" in line}
+        assert names - {"libtvm_ffi.so", "libcudart.so.13", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6"} == set(), names
+
+
+def test_a_rerun_with_nothing_changed_rebuilds_nothing(built):
+    root, _ = built
+    before = read_current(root / "bundle")
+    again = builder.build(SPECS, root / "bundle", jobs=2, cache_dir=root / "cache")
+    assert not again.published and again.lowered == 0 and again.compiled == 0
+    assert "up to date" in again.summary() and read_current(root / "bundle") == before
+
+
+def test_cache_keys_depend_on_content_not_paths_or_times(built, tmp_path):
+    root, _ = built
+    shutil.copytree(root / "cache", tmp_path / "moved-cache")
+    for path in (tmp_path / "moved-cache").rglob("*"):
+        os.utime(path, (0, 0))
+    report = builder.build(SPECS, tmp_path / "elsewhere", jobs=1, cache_dir=tmp_path / "moved-cache")
+    assert report.lowered == 0 and report.compiled == 0 and report.published
+
+
+def test_a_failed_build_leaves_the_previous_bundle_live(built, monkeypatch, tmp_path):
+    root, _ = built
+    before = read_current(root / "bundle")
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'Build cuda_99.9'; [ \"$1\" = --version ] && exit 0; echo boom >&2; exit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("NVCC", str(fake))
+    with pytest.raises(NvccError, match="boom"):
+        builder.build(SPECS, root / "bundle", jobs=1, cache_dir=root / "cache")
+    assert read_current(root / "bundle") == before
+    assert not list((root / "bundle" / "bundles").glob(".staging-*"))
+    Bundle(root / "bundle")
+
+
+def test_corrupted_libraries_and_manifests_are_refused(built, tmp_path):
+    root, _ = built
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "bundle", copy)
+    bundle = Bundle(copy)
+    library = next(iter(bundle.manifest["libraries"]))
+    with open(bundle.path / library, "r+b") as handle:
+        handle.seek(100)
+        handle.write(b"\x00corrupt")
+    with pytest.raises(BundleError, match="corrupted"):
+        Bundle(copy)
+    manifest = bundle.path / MANIFEST_FILE
+    manifest.write_text(manifest.read_text().replace('"sm_90a"', '"sm_80"'))
+    with pytest.raises(BundleError, match="digest"):
+        Bundle(copy)
+    with pytest.raises(BundleError, match="no bundle"):
+        Bundle(tmp_path / "nowhere")
+
+
+def test_device_capability_is_checked(built):
+    bundle = Bundle(built[0] / "bundle")
+    bundle.check_device((9, 0))
+    with pytest.raises(BundleError, match=r"compute capability 9.0\), the device has 8.0"):
+        bundle.check_device((8, 0))
+
+
+def test_ptxas_report_is_parsed_per_kernel():
+    log = """ptxas info    : Compiling entry function 'a_kernel' for 'sm_90a'
+ptxas info    : Function properties for a_kernel
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 80 registers, used 1 barriers, 96 bytes smem"""
+    assert parse_ptxas(log) == {"a_kernel": {"stack": 8, "spill_stores": 4, "spill_loads": 4, "registers": 80, "smem": 96}}
+
+
+def test_cli_lists_and_inspects_a_bundle(built):
+    root, _ = built
+    env = {**os.environ, "TVM_RMSQUANT_BUNDLE": str(root / "bundle")}
+    listing = subprocess.run([sys.executable, "-m", "tvm_rmsquant", "list"], capture_output=True, text=True, env=env, check=True).stdout
+    assert all(spec.name in listing for spec in SPECS)
+    shown = json.loads(subprocess.run([sys.executable, "-m", "tvm_rmsquant", "inspect", SPECS[0].name], capture_output=True, text=True, env=env, check=True).stdout)
+    assert shown["knobs"] and Path(shown["source_path"]).exists() and "registers" in shown["ptxas"]
+    bad = subprocess.run([sys.executable, "-m", "tvm_rmsquant", "build", "--hidden", "4100", "--out", str(root / "x")], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "hidden=4100 is not divisible by group=128" in bad.stderr

@@ -1,0 +1,106 @@
+"""The tensor expression, built for TVM's llvm target, against the torch reference.
+
+This is the issue's equivalence bar on every spec dimension: dtypes, group sizes,
+residual modes, layouts and formats, static and dynamic K, scale_ub; M in
+{0, 1, 3, 17, 256}, K in {128, 1024, 4096, 7168}; random normal inputs with outliers.
+The measured match fractions are printed in the terminal summary.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+tvm = pytest.importorskip("tvm", reason="CPU kernels need the TVM compiler ([build] extra)")
+
+from tvm_rmsquant import cpu, expr, reference  # noqa: E402
+from tvm_rmsquant.checks import compare, random_inputs  # noqa: E402
+from tvm_rmsquant.selfcheck import run_cpu_kernel  # noqa: E402
+from tvm_rmsquant.spec import VariantSpec  # noqa: E402
+
+ROWS = (0, 1, 3, 17, 256)
+HIDDEN = (128, 1024, 4096, 7168)
+LAYOUT_FORMATS = (("row", "fp32"), ("row", "ue8m0"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed"))
+AGREEMENTS = []
+
+
+def _static_cases():
+    for hidden, dtype, group, residual, (layout, fmt) in itertools.product(HIDDEN, ("bf16", "fp16", "fp32"), (64, 128), (False, True), LAYOUT_FORMATS):
+        yield VariantSpec(dtype, hidden, group, residual, layout, fmt)
+    for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (False, True), LAYOUT_FORMATS):
+        yield VariantSpec(dtype, 1024, 128, residual, layout, fmt, scale_ub=True)
+
+
+def _dynamic_cases():
+    for dtype, group, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (64, 128), (False, True), LAYOUT_FORMATS):
+        yield VariantSpec(dtype, None, group, residual, layout, fmt)
+
+
+def _check(spec, hidden):
+    for seed, rows in enumerate(ROWS):
+        inputs = random_inputs(spec, rows, hidden, seed=seed * 1000 + hidden)
+        want = reference.rms_norm_group_quant(inputs["x"], inputs["weight"], 1e-6, spec, inputs["residual"], inputs["scale_ub"])
+        got = run_cpu_kernel(spec, inputs)
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape and got[1].stride() == want[1].stride()
+        agreement = compare(spec, got, want, hidden)
+        AGREEMENTS.append((spec.name, hidden, rows, agreement))
+        assert agreement.passed, f"{spec.name} K={hidden} M={rows}: {agreement.describe()}"
+
+
+@pytest.mark.parametrize("spec", list(_static_cases()), ids=lambda spec: spec.name)
+def test_static_k_kernel_matches_reference(spec):
+    _check(spec, spec.hidden)
+
+
+@pytest.mark.parametrize("spec", list(_dynamic_cases()), ids=lambda spec: spec.name)
+def test_dynamic_k_kernel_matches_reference_at_several_k(spec):
+    for hidden in (512, 4096) if spec.format == "ue8m0_packed" else (384, 4096):
+        if spec.accepts_hidden(hidden) is None:
+            _check(spec, hidden)
+
+
+def test_portable_fp8_cast_is_bit_exact_for_every_representable_neighbourhood():
+    """Every e4m3fn value, each midpoint between neighbours, and one fp32 ulp either side."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = torch.cat([codes, -codes]).unique()
+    mids = (codes[1:] + codes[:-1]) / 2
+    base = torch.cat([codes, mids])
+    bits = base.view(torch.int32)
+    values = torch.cat([base, (bits + 1).view(torch.float32), (bits - 1).view(torch.float32), torch.tensor([float("nan"), 448.0, -448.0])])
+    values = values[(values.abs() <= 448) | values.isnan()]
+    rows = te_cast(values)
+    want = values.to(torch.float8_e4m3fn)
+    same = (rows.view(torch.uint8) == want.view(torch.uint8)) | (rows.float().isnan() & want.float().isnan())
+    assert bool(same.all()), values[~same][:8]
+
+
+def te_cast(values):
+    from tvm import te
+
+    n = te.var("n")
+    source = te.placeholder((n,), "float32", name="source")
+    out = te.compute((n,), lambda i: expr.e4m3fn_bits(source[i]), name="out")
+    function = tvm.compile(te.create_prim_func([source, out]), target="llvm")["main"]
+    result = torch.empty(values.shape, dtype=torch.float8_e4m3fn)
+    function(values.contiguous(), result)
+    return result
+
+
+def test_portable_bf16_rounding_matches_torch():
+    from tvm import te
+
+    values = torch.cat([torch.randn(50000) * 100, torch.tensor([float("nan"), float("inf"), 3.3895e38, 1e-40])])
+    n = te.var("n")
+    source = te.placeholder((n,), "float32", name="source")
+    out = te.compute((n,), lambda i: expr.bf16_round_bits(source[i]), name="out")
+    function = tvm.compile(te.create_prim_func([source, out]), target="llvm")["main"]
+    result = torch.empty_like(values)
+    function(values, result)
+    want = values.bfloat16().float()
+    assert torch.equal(result.isnan(), want.isnan())
+    assert torch.equal(result[~want.isnan()], want[~want.isnan()])
+
+
+def test_cpu_kernels_are_cached_per_spec():
+    spec = VariantSpec("bf16", 128, 128)
+    assert cpu.function(spec) is cpu.function(spec)

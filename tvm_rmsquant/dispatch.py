@@ -1,0 +1,146 @@
+"""The init-time dispatcher: pick the variant once, return a kernel with everything bound.
+
+``select`` runs at model init, where device queries and shape checks are safe. The
+``BoundKernel`` it returns calls one fixed op with fixed arguments: no device query,
+capability check, environment read or shape heuristic happens at call time, so
+torch.compile traces it as a single custom op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import ops, reference
+from .loader import BundleError, open_bundle
+from .spec import VariantSpec
+
+logger = logging.getLogger(__name__)
+
+#: Consumer GEMM -> (scale layout, scale format) it reads.
+CONSUMERS = {
+    "deepgemm_sm90": ("col", "fp32"),
+    "deepgemm_sm90_ue8m0": ("col", "ue8m0"),
+    "deepgemm_sm100": ("col", "ue8m0_packed"),
+    "cublas_blockwise": ("col", "fp32"),
+    "triton": ("row", "fp32"),
+    "row": ("row", "fp32"),
+}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    name: str
+    taken: bool
+    reason: str
+
+
+@dataclasses.dataclass
+class BoundKernel:
+    """One layer's fused norm + quant, fixed at init. Call with (x, weight, eps, residual)."""
+
+    spec: VariantSpec
+    variant: Optional[str]
+    why: List[Candidate]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None, scale_ub=None):
+        """(q, scales) for x [..., K]; ``residual`` (if the variant has one) is updated in place."""
+        leading = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        if self.variant is None:
+            q, scales, residual_out = reference.rms_norm_group_quant(flat, weight, eps, self.spec, None if residual is None else residual.reshape(flat.shape), scale_ub)
+            if residual is not None:
+                residual.copy_(residual_out.view(residual.shape))
+        elif self.spec.residual:
+            residual_flat = residual.view(flat.shape)
+            q, scales = ops.fused_add_rms_norm_group_quant(flat, residual_flat, weight, eps, self.variant, scale_ub)
+        else:
+            q, scales = ops.rms_norm_group_quant(flat, weight, eps, self.variant, scale_ub)
+        return q.view(*leading, x.shape[-1]), scales
+
+
+def consumer_layout(consumer: Optional[str], scale_layout: Optional[str], scale_format: Optional[str]) -> Tuple[str, str]:
+    if scale_layout is not None or scale_format is not None:
+        return scale_layout or "row", scale_format or "fp32"
+    if consumer not in CONSUMERS:
+        raise ValueError(f"consumer={consumer!r} is unknown; choose one of {sorted(CONSUMERS)} or pass scale_layout/scale_format")
+    return CONSUMERS[consumer]
+
+
+def deepgemm_applies(consumer_weight: torch.Tensor, output_dtype: torch.dtype) -> Optional[str]:
+    """None when DeepGEMM can consume this layer (vLLM's should_use_deepgemm_for_fp8_linear); else why not."""
+    if consumer_weight.dim() != 2:
+        raise ValueError(
+            f"consumer_weight must be the consuming linear layer's 2-D weight [N, K], got shape "
+            f"{tuple(consumer_weight.shape)}; a norm's 1-D weight is not a linear weight"
+        )
+    n, k = consumer_weight.shape
+    if output_dtype != torch.bfloat16:
+        return f"DeepGEMM needs a bf16 output, the layer outputs {output_dtype}"
+    if n % 64 or k % 128:
+        return f"DeepGEMM needs N % 64 == 0 and K % 128 == 0, the weight is [{n}, {k}]"
+    return None
+
+
+def select(
+    hidden_size: int,
+    dtype: torch.dtype,
+    group_size: int = 128,
+    residual: bool = False,
+    consumer: Optional[str] = "row",
+    device="cuda",
+    bundle=None,
+    scale_layout: Optional[str] = None,
+    scale_format: Optional[str] = None,
+    consumer_weight: Optional[torch.Tensor] = None,
+    output_dtype: torch.dtype = torch.bfloat16,
+    scale_ub: bool = False,
+) -> BoundKernel:
+    """Choose the kernel for one layer: static-K, then dynamic-K, then the torch reference."""
+    if dtype not in _DTYPE_NAMES:
+        raise TypeError(f"dtype={dtype} is not supported; accepted: {sorted(map(str, _DTYPE_NAMES))}")
+    why: List[Candidate] = []
+    layout, fmt = consumer_layout(consumer, scale_layout, scale_format)
+    if consumer_weight is not None and consumer is not None and consumer.startswith("deepgemm"):
+        refusal = deepgemm_applies(consumer_weight, output_dtype)
+        if refusal is not None:
+            why.append(Candidate(f"consumer {consumer}", False, refusal + "; falling back to Triton's row-major fp32 scales"))
+            layout, fmt = CONSUMERS["triton"]
+    spec = VariantSpec(_DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub)
+    device = torch.device(device)
+
+    chosen = None
+    if device.type == "cuda":
+        try:
+            opened = open_bundle(bundle)
+            opened.check_device(torch.cuda.get_device_capability(device))
+        except BundleError as error:
+            opened = None
+            why.append(Candidate("bundle", False, str(error)))
+        for candidate in (spec, spec.with_hidden(None)):
+            if opened is None:
+                break
+            if candidate not in opened:
+                why.append(Candidate(candidate.name, False, f"not in bundle {opened.path}"))
+                continue
+            reason = candidate.accepts_hidden(hidden_size)
+            if reason is not None:
+                why.append(Candidate(candidate.name, False, reason))
+                continue
+            ops.use_bundle(opened)
+            chosen = candidate
+            why.append(Candidate(candidate.name, True, f"{opened.entry(candidate.name)['rule']} kernel from {opened.path}"))
+            break
+    else:
+        # CPU: the op runs the llvm build of this static spec (or the reference without TVM).
+        chosen = spec
+        why.append(Candidate(spec.name, True, "CPU op (TVM llvm build where installed, else the reference)"))
+    if chosen is None:
+        logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
+        why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
+        return BoundKernel(spec=spec, variant=None, why=why)
+    return BoundKernel(spec=chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen, variant=chosen.name, why=why)
