@@ -297,7 +297,9 @@ def publish(out_dir: Path, manifest: Dict, files: Dict[str, Tuple[Path, Path]]) 
             if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
             shutil.rmtree(staging)
+        previous = read_current(out_dir)
         _atomic_write(out_dir / CURRENT_FILE, (digest + "\n").encode())
+        _prune(out_dir / "bundles", keep={digest, previous})
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -313,3 +315,10 @@ def _remove_abandoned_staging(bundles: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
         except PermissionError:
             pass
+
+
+def _prune(bundles: Path, keep) -> None:
+    """Keep the live bundle and the one before it (a reader may still be opening it)."""
+    for old in bundles.iterdir():
+        if not old.name.startswith(".") and old.name not in keep:
+            shutil.rmtree(old, ignore_errors=True)

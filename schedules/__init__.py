@@ -34,3 +34,16 @@ def default_schedule(spec: VariantSpec) -> Tuple[str, Knobs]:
             return rule.name, knobs
         reasons[rule.name] = "no valid default knobs"
     raise ValueError(f"no schedule rule applies to {spec.name}: {reasons}")
+
+
+def overriding(overrides: Knobs):
+    """A ``choose`` for the build: the default schedule with ``overrides`` applied where the
+    rule has those knobs and accepts the result (else the default stands)."""
+
+    def choose(spec: VariantSpec) -> Tuple[str, Knobs]:
+        name, knobs = default_schedule(spec)
+        rule = rule_by_name(name)
+        wanted = {**knobs, **{key: value for key, value in overrides.items() if key in knobs}}
+        return (name, wanted) if rule.check(spec, wanted) is None else (name, knobs)
+
+    return choose

@@ -144,7 +144,8 @@ class RowResident(ScheduleRule):
         loads = [("h", "x"), ("y", "weight")] + ([("h", "r")] if spec.residual else [])
         for consumer, buffer in loads:
             load = sch.cache_read(block(consumer), _read_index(sch, block(consumer), buffer), "local", consumer_blocks=[block(consumer)])
-            sch.compute_at(load, row)
+            # First possible point: every load of the row is in flight before the first reduction.
+            sch.compute_at(load, row, index=-2)
             bind_elements(load, vectorize=True)
         return sch
 

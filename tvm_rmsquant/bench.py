@@ -147,11 +147,14 @@ def measure(provider, spec: VariantSpec, rows: int, hidden: int, ceiling: float,
     if not provider.supports(spec):
         return None
     inputs = random_inputs(spec, rows, hidden, seed=rows * 7 + hidden, device="cuda")
-    call, outputs = provider.prepare(spec, inputs, eps)
-    call()
-    torch.cuda.synchronize()
-    cpu = {key: (value.cpu() if value is not None else None) for key, value in inputs.items()}
-    want = reference.rms_norm_group_quant(cpu["x"], cpu["weight"], eps, spec, cpu["residual"], cpu["scale_ub"])
+    try:
+        call, outputs = provider.prepare(spec, inputs, eps)
+        call()
+        torch.cuda.synchronize()
+    except Exception as error:  # a peer that cannot run this shape is reported, not fatal
+        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: {type(error).__name__}: {str(error)[:200]}")
+    # The oracle is the reference on the same GPU (exact sqrt and division, as on CPU).
+    want = reference.rms_norm_group_quant(inputs["x"], inputs["weight"], eps, spec, inputs["residual"], inputs["scale_ub"])
     agreement = compare(spec, outputs, want, hidden)
     moved = op_bytes(spec, rows, hidden)
     if not agreement.passed:
@@ -175,18 +178,155 @@ def write_results(points: List[Point], ceiling: float, out: Path) -> None:
     (out / "bench.json").write_text(json.dumps({"copy_ceiling_gbps": ceiling, "points": [dataclasses.asdict(p) for p in points]}, indent=1))
 
 
+class CompiledReferenceProvider:
+    """torch.compile of the reference, compiled fresh per shape (dynamic=False, fullgraph=True)."""
+
+    name = "torch_compile"
+
+    def supports(self, spec: VariantSpec) -> bool:
+        return True
+
+    def prepare(self, spec: VariantSpec, inputs: Dict, eps: float):
+        key = (spec, tuple(inputs["x"].shape))
+        if getattr(self, "_key", None) != key:
+            torch._dynamo.reset()
+            self._compiled = torch.compile(reference.rms_norm_group_quant, dynamic=False, fullgraph=True)
+            self._key = key
+        compiled, outputs = self._compiled, []
+
+        def call():
+            outputs[:] = compiled(inputs["x"], inputs["weight"], eps, spec, inputs["residual"], inputs["scale_ub"])
+
+        call()
+        return call, tuple(outputs)
+
+
+class TritonProvider:
+    """The fused Triton kernel a user would write instead (tvm_rmsquant.triton_peer)."""
+
+    name = "triton"
+
+    def supports(self, spec: VariantSpec) -> bool:
+        return spec.format != "ue8m0_packed" and not spec.scale_ub
+
+    def prepare(self, spec: VariantSpec, inputs: Dict, eps: float):
+        from .triton_peer import rms_norm_group_quant_triton
+
+        x = inputs["x"]
+        rows, hidden = x.shape
+        q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = reference.empty_scales(spec, rows, hidden, x.device)
+        residual_out = torch.empty_like(x) if spec.residual else None
+
+        def call():
+            rms_norm_group_quant_triton(spec, x, inputs["weight"], eps, q, scales, inputs["residual"], residual_out)
+
+        return call, (q, scales, residual_out)
+
+
+PROVIDERS = {
+    "ours": OursProvider,
+    "torch_eager": lambda bundle: ReferenceProvider(),
+    "torch_compile": lambda bundle: CompiledReferenceProvider(),
+    "triton": lambda bundle: TritonProvider(),
+}
+
+
 def providers_by_name(names, bundle):
-    known = {"ours": lambda: OursProvider(bundle), "torch_eager": ReferenceProvider}
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if name not in PROVIDERS]
     if unknown:
-        raise ValueError(f"providers {unknown} are unknown; known: {sorted(known)}")
-    return [known[name]() for name in names]
+        raise ValueError(f"providers {unknown} are unknown; known: {sorted(PROVIDERS)}")
+    return [PROVIDERS[name](bundle) for name in names]
 
 
-def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, provider_names, out: Path) -> List[Point]:
+def markdown_table(points: List[Point], ceiling: float) -> str:
+    """One row per (spec, M): each provider's median us and % of the copy ceiling."""
+    providers = list(dict.fromkeys(point.provider for point in points))
+    rows: Dict = {}
+    for point in points:
+        rows.setdefault((point.spec, point.rows), {})[point.provider] = point
+    lines = [f"Copy ceiling (read+write, measured in this run): {ceiling:.0f} GB/s", "",
+             "| variant | M | " + " | ".join(f"{p} us (% ceil)" for p in providers) + " |",
+             "|---|---:|" + "---:|" * len(providers)]
+    for (spec, m), by_provider in rows.items():
+        cells = []
+        for provider in providers:
+            point = by_provider.get(provider)
+            if point is None:
+                cells.append("n/a")
+            elif point.agreement.startswith(("WRONG", "ERROR")):
+                cells.append(point.agreement.split(":")[0])
+            else:
+                cells.append(f"{point.microseconds:.2f} ({100 * point.ceiling_fraction:.0f}%)")
+        lines.append(f"| {spec} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: List[Point], ceiling: float, path: Path) -> None:
+    """Achieved GB/s against M, one panel per (K, variant family), one line per provider."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    specs = list(dict.fromkeys(point.spec for point in points))
+    columns = 4
+    figure, axes = plt.subplots(-(-len(specs) // columns), columns, figsize=(5 * columns, 3.2 * -(-len(specs) // columns)), squeeze=False)
+    for axis, spec in zip(axes.flat, specs):
+        for provider in dict.fromkeys(point.provider for point in points):
+            mine = [p for p in points if p.spec == spec and p.provider == provider and p.gigabytes_per_second == p.gigabytes_per_second]
+            axis.plot([p.rows for p in mine], [p.gigabytes_per_second for p in mine], marker="o", markersize=3, label=provider)
+        axis.axhline(ceiling, color="k", linestyle="--", linewidth=0.8, label="copy ceiling")
+        axis.set_xscale("log", base=2)
+        axis.set_title(spec, fontsize=8)
+        axis.set_xlabel("M")
+        axis.set_ylabel("GB/s")
+    for axis in list(axes.flat)[len(specs):]:
+        axis.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+
+
+def host_overhead(bundle, calls: int = 2000) -> Dict[str, float]:
+    """Eager per-call host time (us) of our op against torch.add on the same tensors."""
+    import time
+
+    from .dispatch import select
+
+    spec = VariantSpec("bf16", 4096, 128, True, "col", "fp32")
+    kernel = select(4096, torch.bfloat16, residual=True, consumer="deepgemm_sm90", bundle=bundle.root)
+    inputs = random_inputs(spec, 1, 4096, seed=0, device="cuda")
+    x, w, r = inputs["x"], inputs["weight"], inputs["residual"]
+    candidates = {
+        "tvm_rmsquant (BoundKernel)": lambda: kernel(x, w, 1e-6, residual=r),
+        "torch.ops.tvm_rmsquant": lambda: torch.ops.tvm_rmsquant.fused_add_rms_norm_group_quant(x, r, w, 1e-6, spec.name),
+        "torch.add": lambda: torch.add(x, r),
+    }
+    result = {}
+    for name, call in candidates.items():
+        for _ in range(200):
+            call()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            samples.append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+        result[name] = statistics.median(samples)
+    return result
+
+
+#: Providers too slow to run at every M (torch.compile compiles afresh per shape).
+SLOW_PROVIDERS = ("torch_eager", "torch_compile")
+
+
+def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, provider_names, out: Path, slow_rows=None) -> List[Point]:
     providers = providers_by_name(provider_names, bundle)
     ceiling = copy_ceiling()
-    print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
+    print(f"copy ceiling (read+write): {ceiling:.0f} GB/s", flush=True)
     points = []
     for hidden in hidden_sizes:
         for residual in (False, True):
@@ -194,10 +334,14 @@ def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, provider_name
                 spec = VariantSpec(dtype, hidden, 128, residual, layout, fmt)
                 for rows in rows_list:
                     for provider in providers:
+                        if slow_rows is not None and provider.name in SLOW_PROVIDERS and rows not in slow_rows:
+                            continue
                         point = measure(provider, spec, rows, hidden, ceiling)
                         if point is not None:
                             points.append(point)
-                            wrong = "  " + point.agreement if point.agreement.startswith("WRONG") else ""
-                            print(f"{point.provider:12s} {spec.name:34s} M={rows:6d} {point.microseconds:9.2f} us {point.gigabytes_per_second:7.0f} GB/s {100 * point.ceiling_fraction:5.1f}%{wrong}", flush=True)
+                            wrong = "  " + point.agreement if point.agreement.startswith(("WRONG", "ERROR")) else ""
+                            print(f"{point.provider:13s} {spec.name:34s} M={rows:6d} {point.microseconds:9.2f} us {point.gigabytes_per_second:7.0f} GB/s {100 * point.ceiling_fraction:5.1f}%{wrong}", flush=True)
     write_results(points, ceiling, out)
+    (out / "bench.md").write_text(markdown_table(points, ceiling))
+    plot(points, ceiling, out / "bench.png")
     return points

@@ -22,6 +22,13 @@ def _parse_hidden(text: str) -> List[int]:
     return values
 
 
+def _parse_knobs(text: str):
+    try:
+        return {key: int(value) for key, value in (pair.split("=") for pair in text.split(",") if pair)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--knobs={text!r}: expected name=int pairs such as groups_per_thread=8,vector=8") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tvm_rmsquant", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--out", type=Path, default=default_bundle_dir(), help="bundle directory (default: %(default)s)")
     build.add_argument("-j", "--jobs", type=int, default=2, help="parallel lowering processes and nvcc invocations")
     build.add_argument("--cache", type=Path, help="build cache directory (default: ~/.cache/tvm_rmsquant)")
+    build.add_argument("--knobs", type=_parse_knobs, default={}, help="override schedule knobs where valid, e.g. groups_per_thread=8")
 
     listing = commands.add_parser("list", help="variants in a bundle")
     listing.add_argument("--bundle", type=Path)
@@ -48,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--providers", default="ours,torch_eager", help="comma-separated: ours, torch_eager, torch_compile, triton")
     bench.add_argument("--formats", default="row:fp32,col:fp32,col:ue8m0", help="layout:format pairs")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    bench.add_argument("--slow-rows", type=_parse_hidden, help="M values at which torch_eager/torch_compile run (default: all)")
+    bench.add_argument("--overhead", action="store_true", help="also measure eager host overhead against torch.add")
     bench.add_argument("--out", type=Path, default=Path("bench-results"))
 
     check = commands.add_parser("self-check", help="CPU check: the tensor expression (llvm) against the torch reference")
@@ -80,14 +90,19 @@ def _build(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    libraries = builder.plan(specs)
+    from .schedules import overriding
+
+    libraries = builder.plan(specs, overriding(args.knobs))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
         tasks = {
             "lower": bar.add_task("lower (TVM)", total=len(specs)),
             "compile": bar.add_task("compile (nvcc)", total=len(libraries)),
         }
         try:
-            report = builder.build(specs, args.out, jobs=args.jobs, cache_dir=args.cache, progress=lambda stage, n: bar.advance(tasks[stage], n))
+            report = builder.build(
+                specs, args.out, jobs=args.jobs, cache_dir=args.cache, choose=overriding(args.knobs),
+                progress=lambda stage, n: bar.advance(tasks[stage], n),
+            )
         except OSError as error:
             if error.errno == errno.ENOSPC:
                 print(f"error: disk full while building into {args.out} or its cache: {error}; nothing was published", file=sys.stderr)
@@ -127,7 +142,15 @@ def _bench(args) -> int:
     from .bench import run_benchmark
 
     formats = [tuple(pair.split(":")) for pair in args.formats.split(",")]
-    run_benchmark(_open(args.bundle), args.dtype, args.hidden, args.rows, formats, args.providers.split(","), args.out)
+    bundle = _open(args.bundle)
+    run_benchmark(bundle, args.dtype, args.hidden, args.rows, formats, args.providers.split(","), args.out, args.slow_rows)
+    if args.overhead:
+        from .bench import host_overhead
+
+        overhead = host_overhead(bundle)
+        (args.out / "overhead.json").write_text(json.dumps(overhead, indent=1))
+        for name, microseconds in overhead.items():
+            print(f"host overhead {name:28s} {microseconds:6.2f} us/call")
     return 0
 
 

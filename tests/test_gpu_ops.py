@@ -1,0 +1,84 @@
+"""GPU: the ops with the bundle's kernels under opcheck, CUDA graphs, side streams and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tvm_rmsquant import ops, reference
+from tvm_rmsquant.checks import compare, random_inputs
+from tvm_rmsquant.dispatch import select
+from tvm_rmsquant.spec import VariantSpec
+
+from models import Block, TextConfig
+
+pytestmark = pytest.mark.gpu
+K = 4096
+SPEC = VariantSpec("bf16", K, 128, True, "col", "ue8m0")
+
+
+def _check(spec, x, w, r_before, got):
+    want = reference.rms_norm_group_quant(x.cpu(), w.cpu(), 1e-6, spec, r_before.cpu())
+    agreement = compare(spec, got, want, x.shape[1])
+    assert agreement.passed, agreement.describe()
+
+
+def test_opcheck_on_cuda(gpu_bundle):
+    ops.use_bundle(gpu_bundle)
+    inputs = random_inputs(SPEC, 33, K, seed=1, device="cuda")
+    torch.library.opcheck(ops.fused_add_rms_norm_group_quant, (inputs["x"], inputs["residual"], inputs["weight"], 1e-6, SPEC.name))
+    plain = VariantSpec("bf16", K, 128, layout="col")
+    torch.library.opcheck(ops.rms_norm_group_quant, (inputs["x"], inputs["weight"], 1e-6, plain.name))
+
+
+def test_graph_replay_with_new_inputs_gives_fresh_correct_outputs(gpu_bundle):
+    kernel = select(K, torch.bfloat16, residual=True, scale_layout="col", scale_format="ue8m0", bundle=gpu_bundle.root)
+    assert kernel.variant == SPEC.name
+    static = random_inputs(SPEC, 64, K, seed=2, device="cuda")
+    x, w, r = static["x"], static["weight"], static["residual"]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernel(x, w, residual=r.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, scales = kernel(x, w, residual=r)
+    for seed in (3, 4):
+        fresh = random_inputs(SPEC, 64, K, seed=seed, device="cuda")
+        x.copy_(fresh["x"])
+        r.copy_(fresh["residual"])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(SPEC, fresh["x"], w, fresh["residual"], (q, scales, r))
+
+
+def test_side_stream_produce_run_consume_without_synchronization(gpu_bundle):
+    kernel = select(K, torch.bfloat16, residual=True, scale_layout="col", scale_format="ue8m0", bundle=gpu_bundle.root)
+    inputs = random_inputs(SPEC, 2048, K, seed=5, device="cpu")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # Produce on the side stream (a big copy, then elementwise work), run, consume.
+        x = inputs["x"].to("cuda", non_blocking=False).float().mul_(1.0).to(torch.bfloat16)
+        r = inputs["residual"].to("cuda").float().mul_(1.0).to(torch.bfloat16)
+        w = inputs["weight"].to("cuda")
+        q, scales = kernel(x, w, residual=r)
+        consumed = (q.float() * 2).sum()
+        outputs = (q.clone(), scales.clone(), r.clone())
+    stream.synchronize()
+    assert torch.isfinite(consumed)
+    _check(SPEC, inputs["x"], inputs["weight"], inputs["residual"], outputs)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_block_on_cuda_matches_eager(gpu_bundle, mode):
+    torch.manual_seed(0)
+    model = Block(TextConfig(hidden_size=1024, intermediate_size=2048), device="cuda").cuda()
+    assert model.quant.variant is not None, model.quant.why
+    x, r = torch.randn(8, 1024, device="cuda").bfloat16(), torch.randn(8, 1024, device="cuda").bfloat16()
+    eager = model(x, r.clone())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    for _ in range(3):
+        got = compiled(x, r.clone())
+    torch.testing.assert_close(got, eager)
