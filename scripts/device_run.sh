@@ -3,36 +3,38 @@
 # then check and time the bundles built here and carried in artifacts/.
 #   STAGES   space-separated, any of: tests sweep bench compile   (default: all)
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
-# Everything lands in $OUT/results.tar.gz; the summary goes to stdout.
+# Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
+# and packs its data into $OUT/<stage>.tar.gz.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-export TVM_RMSQUANT_BUNDLE=$PWD/artifacts/bundle
+export TVM_RMSQUANT_BUNDLE=$PWD/artifacts/bundle PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-RESULTS=$(mktemp -d)
+mkdir -p "$OUT"
+RESULTS=$OUT
 STAGES=${STAGES:-tests sweep bench compile}
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$RESULTS/gpu.txt"
 for stage in $STAGES; do
   case $stage in
     tests)
-      python3 -m pytest -p no:cacheprovider -m gpu tests -q -rfE 2>&1 | tee "$RESULTS/gpu-tests.log" | tail -n 25
-      status=${PIPESTATUS[0]} ;;
+      python3 -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} > "$RESULTS/tests.log" 2>&1
+      status=$?; tail -n 25 "$RESULTS/tests.log" ;;
     sweep)
       for bundle in artifacts/sweep_*; do
+        echo "== $bundle" >> "$RESULTS/sweep.log"
         python3 -m tvm_rmsquant bench --bundle "$bundle" --providers ours --hidden 4096,7168 --rows 64,4096,16384 \
-          --formats row:fp32,col:ue8m0 --out "$RESULTS/$(basename "$bundle")" > "$RESULTS/$(basename "$bundle").log" 2>&1
-        echo "== $bundle"; grep -E "M= *(4096|16384)" "$RESULTS/$(basename "$bundle").log" | awk '{print $2, $3, $4, $8}'
-      done ;;
+          --formats row:fp32,col:ue8m0 --out "/tmp/sweep/$(basename "$bundle")" >> "$RESULTS/sweep.log" 2>&1
+      done
+      grep -E "==|M= *(4096|16384)" "$RESULTS/sweep.log"; tar -czf "$RESULTS/sweep.tar.gz" -C /tmp sweep ;;
     bench)
-      python3 -m tvm_rmsquant bench --providers ours,triton --overhead --out "$RESULTS/bench" \
+      python3 -m tvm_rmsquant bench --providers ours,triton --overhead --out /tmp/bench \
         ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} > "$RESULTS/bench.log" 2>&1
-      grep -E "ceiling|overhead|WRONG|ERROR|Error" "$RESULTS/bench.log" | head -n 30 ;;
+      grep -E "ceiling|overhead|WRONG|ERROR|Error" "$RESULTS/bench.log" | head -n 30; tar -czf "$RESULTS/bench.tar.gz" -C /tmp bench ;;
     compile)
       python3 -m tvm_rmsquant bench --providers ours,triton,torch_compile,torch_eager --hidden 4096,7168 --rows 4096,16384 \
-        --out "$RESULTS/bench-compile" > "$RESULTS/bench-compile.log" 2>&1
-      tail -n 50 "$RESULTS/bench-compile.log" ;;
+        --out /tmp/compile > "$RESULTS/compile.log" 2>&1
+      tail -n 50 "$RESULTS/compile.log"; tar -czf "$RESULTS/compile.tar.gz" -C /tmp compile ;;
   esac
 done
-mkdir -p "$OUT"; tar -czf "$OUT/results.tar.gz" -C "$RESULTS" .
 exit $status
