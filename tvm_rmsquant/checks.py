@@ -101,9 +101,23 @@ def compare(spec: VariantSpec, got, want, hidden: int) -> Agreement:
     q_float, q_ref_float = q.float(), q_ref.float()
     nan_codes, nan_codes_ref = torch.isnan(q_float), torch.isnan(q_ref_float)
     nan_mismatch = int((nan_codes != nan_codes_ref).sum() + (torch.isnan(ours) != torch.isnan(ref)).sum())
-    comparable = ~(nan_codes | nan_codes_ref)
+    # A group whose scale legitimately differs (within the scale bar) has all its codes
+    # shifted, e.g. by 8 codes when a UE8M0 scale doubles: its codes are judged by their
+    # dequantized values instead, against one fp8 step at the coarser scale.
+    rows = q.shape[0]
+    same_scale = ((ours == ref) | (torch.isnan(ours) & torch.isnan(ref))).repeat_interleave(spec.group, dim=1) if rows else torch.ones_like(q_float, dtype=torch.bool)
+    comparable = ~(nan_codes | nan_codes_ref) & same_scale
     identical = (q.view(torch.uint8) == q_ref.view(torch.uint8)) | (nan_codes & nan_codes_ref)
     distance = (code_ordinal(q) - code_ordinal(q_ref)).abs()[comparable]
+    if not bool(same_scale.all()):
+        coarser = torch.maximum(ours, ref).repeat_interleave(spec.group, dim=1)
+        value, value_ref = q_float * ours.repeat_interleave(spec.group, dim=1), q_ref_float * ref.repeat_interleave(spec.group, dim=1)
+        magnitude = torch.maximum(value.abs(), value_ref.abs()) / coarser
+        step = coarser * torch.exp2(torch.clamp(torch.floor(torch.log2(magnitude.clamp(min=2.0**-9))), min=-6.0) - 3)
+        close = (value - value_ref).abs() <= step
+        identical = identical | (~same_scale & close)
+        if not bool(close[~same_scale].all()):
+            distance = torch.cat([distance, torch.tensor([99])])
     units = scale_units(ours, ref, spec, hidden)
     residual_identical = None
     if residual_ref is not None:
