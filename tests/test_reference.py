@@ -69,3 +69,17 @@ def test_dequantized_output_is_close_to_the_normalized_input(dtype):
     normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
     error = (reference.dequantize(q, scales, spec) - normed).norm() / normed.norm()
     assert error < 0.05, "fp8 e4m3 keeps about 3 significant bits"
+
+
+def test_a_ue8m0_group_one_power_of_two_off_is_judged_by_dequantized_values():
+    from tvm_rmsquant.checks import compare
+
+    spec = VariantSpec("bf16", 256, 128, layout="col", format="ue8m0")
+    x, w = torch.randn(4, 256).bfloat16(), torch.ones(256).bfloat16()
+    want = reference.rms_norm_group_quant(x, w, 1e-6, spec)
+    q, scales = want[0].clone(), want[1].clone()
+    scales[0, 0] *= 2
+    q[0, :128] = (want[0][0, :128].float() / 2).to(torch.float8_e4m3fn)
+    assert compare(spec, (q, scales, None), want, 256).passed
+    q[0, 5] = torch.tensor(100.0).to(torch.float8_e4m3fn)
+    assert not compare(spec, (q, scales, None), want, 256).passed

@@ -101,11 +101,14 @@ def compare(spec: VariantSpec, got, want, hidden: int) -> Agreement:
     q_float, q_ref_float = q.float(), q_ref.float()
     nan_codes, nan_codes_ref = torch.isnan(q_float), torch.isnan(q_ref_float)
     nan_mismatch = int((nan_codes != nan_codes_ref).sum() + (torch.isnan(ours) != torch.isnan(ref)).sum())
-    # A group whose scale legitimately differs (within the scale bar) has all its codes
-    # shifted, e.g. by 8 codes when a UE8M0 scale doubles: its codes are judged by their
-    # dequantized values instead, against one fp8 step at the coarser scale.
+    # A UE8M0 group whose scale legitimately differs by one power of two has every code
+    # shifted by 8: its codes are judged by their dequantized values instead, against one
+    # fp8 step at the coarser scale. (fp32 scales differ by ulps; codes compare directly.)
     rows = q.shape[0]
-    same_scale = ((ours == ref) | (torch.isnan(ours) & torch.isnan(ref))).repeat_interleave(spec.group, dim=1) if rows else torch.ones_like(q_float, dtype=torch.bool)
+    if rows and spec.pow2_scales:
+        same_scale = ((ours == ref) | (torch.isnan(ours) & torch.isnan(ref))).repeat_interleave(spec.group, dim=1)
+    else:
+        same_scale = torch.ones_like(q_float, dtype=torch.bool)
     comparable = ~(nan_codes | nan_codes_ref) & same_scale
     identical = (q.view(torch.uint8) == q_ref.view(torch.uint8)) | (nan_codes & nan_codes_ref)
     distance = (code_ordinal(q) - code_ordinal(q_ref)).abs()[comparable]
