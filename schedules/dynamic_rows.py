@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from tvm import s_tir
-
 from tvm_rmsquant.spec import VariantSpec
 
 from .base import Knobs, ScheduleRule
@@ -52,6 +50,8 @@ class DynamicRows(ScheduleRule):
         vector, rows = knobs["vector"], knobs["rows_per_block"]
         lanes = spec.group // vector
         packed = spec.format == "ue8m0_packed"
+        from tvm import s_tir  # build time only: the rule's space and checks need no TVM
+
         sch = s_tir.Schedule(func)
         block = sch.get_sblock
 

@@ -138,3 +138,17 @@ def test_cli_lists_and_inspects_a_bundle(built):
     assert shown["knobs"] and Path(shown["source_path"]).exists() and "registers" in shown["ptxas"]
     bad = subprocess.run([sys.executable, "-m", "tvm_rmsquant", "build", "--hidden", "4100", "--out", str(root / "x")], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "hidden=4100 is not divisible by group=128" in bad.stderr
+
+
+def test_two_builds_racing_on_one_directory_both_finish_with_a_valid_bundle(built, tmp_path):
+    root, _ = built
+    script = (
+        "import sys; from pathlib import Path; from tvm_rmsquant.codegen import bundle; from tvm_rmsquant.spec import VariantSpec;"
+        f"specs = [VariantSpec.parse(n) for n in {[spec.name for spec in SPECS]!r}];"
+        "bundle.build(specs, Path(sys.argv[1]), jobs=1, cache_dir=Path(sys.argv[2]))"
+    )
+    racers = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "shared"), str(root / "cache")]) for _ in range(2)]
+    assert [racer.wait(timeout=300) for racer in racers] == [0, 0]
+    bundle = Bundle(tmp_path / "shared")
+    assert bundle.names() == sorted(spec.name for spec in SPECS)
+    assert not list((tmp_path / "shared" / "bundles").glob(".staging-*"))
