@@ -18,7 +18,6 @@ from tvm_rmsquant.spec import VariantSpec
 #: StorageRewrite reuses the all-reduce result buffer in place when the rms block
 #: reads it, letting every thread rewrite a shared value with no barrier (a race).
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
-TARGET_ARCH = "sm_90a"
 
 
 def cuda_target():

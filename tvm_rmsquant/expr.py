@@ -50,10 +50,6 @@ class FusedExpr:
     eps: tirx.Var
     args: List[object]
 
-    @property
-    def arg_names(self) -> List[str]:
-        return [arg.name if isinstance(arg, tirx.Var) else arg.op.name for arg in self.args]
-
 
 def _f32(value: float):
     return tirx.const(value, F32)
