@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tvm_rmsquant import __version__
-from tvm_rmsquant.bundle_format import CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_cache_dir, read_current
+from tvm_rmsquant.bundle_format import CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_cache_dir, read_current, sha256_file
 from tvm_rmsquant.schedules import default_schedule
 from tvm_rmsquant.spec import VariantSpec
 
@@ -77,14 +77,6 @@ class BuildReport:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def code_fingerprint() -> str:

@@ -18,10 +18,6 @@ from .base import Knobs, ScheduleRule
 WORD_GROUPS = 4
 
 
-def _itemsize(spec: VariantSpec) -> int:
-    return {"bf16": 2, "fp16": 2, "fp32": 4}[spec.dtype]
-
-
 class DynamicRows(ScheduleRule):
     name = "dynamic_rows"
 
@@ -30,7 +26,7 @@ class DynamicRows(ScheduleRule):
 
     def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
         vector, rows = knobs["vector"], knobs["rows_per_block"]
-        if vector * _itemsize(spec) > 16:
+        if vector * spec.itemsize > 16:
             return f"vector={vector} is wider than 16 bytes of {spec.dtype}"
         if spec.group % vector:
             return f"vector={vector} does not divide group={spec.group}"
@@ -42,7 +38,7 @@ class DynamicRows(ScheduleRule):
         return None
 
     def default(self, spec: VariantSpec) -> Optional[Knobs]:
-        knobs = {"vector": 16 // _itemsize(spec), "rows_per_block": 8}
+        knobs = {"vector": 16 // spec.itemsize, "rows_per_block": 8}
         return knobs if self.check(spec, knobs) is None else None
 
     def apply(self, func, spec: VariantSpec, knobs: Knobs):

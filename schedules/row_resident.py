@@ -24,10 +24,6 @@ MAX_THREADS = 1024
 MAX_RESIDENT = 64
 
 
-def _itemsize(spec: VariantSpec) -> int:
-    return {"bf16": 2, "fp16": 2, "fp32": 4}[spec.dtype]
-
-
 class RowResident(ScheduleRule):
     name = "row_resident"
 
@@ -38,7 +34,7 @@ class RowResident(ScheduleRule):
         if spec.is_dynamic:
             return "needs a static hidden size"
         vector, per_thread = knobs["vector"], knobs["groups_per_thread"]
-        if vector * _itemsize(spec) > 16:
+        if vector * spec.itemsize > 16:
             return f"vector={vector} is wider than 16 bytes of {spec.dtype}"
         if spec.group % vector:
             return f"vector={vector} does not divide group={spec.group}"
@@ -60,7 +56,7 @@ class RowResident(ScheduleRule):
     def default(self, spec: VariantSpec) -> Optional[Knobs]:
         if spec.is_dynamic:
             return None
-        vector = 16 // _itemsize(spec)
+        vector = 16 // spec.itemsize
         for per_thread in (4, 2, 8, 1, 16):
             knobs = {"vector": vector, "groups_per_thread": per_thread}
             if self.check(spec, knobs) is None:

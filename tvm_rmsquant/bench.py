@@ -41,7 +41,7 @@ class Point:
 
 def op_bytes(spec: VariantSpec, rows: int, hidden: int) -> int:
     """The fewest bytes the op moves: inputs read once, outputs written once."""
-    item = reference.TORCH_DTYPES[spec.dtype].itemsize
+    item = spec.itemsize
     shape, _, stored_rows, _ = scale_geometry(spec, rows, hidden)
     scale_bytes = shape[0] * shape[1] * 4
     moved = rows * hidden * item + hidden * item + rows * hidden + scale_bytes

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -13,6 +14,15 @@ from typing import Optional
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 CURRENT_FILE = "CURRENT"
+
+
+def sha256_file(path: Path) -> str:
+    """Content hash of one file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def bundle_dir(root: Path, digest: str) -> Path:

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Dict, Optional
 
-from .bundle_format import MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, read_current
+from .bundle_format import MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, read_current, sha256_file
 from .spec import VariantSpec
 
 ENV_VAR = "TVM_RMSQUANT_BUNDLE"
@@ -37,14 +37,6 @@ def resolve_path(path=None) -> Path:
     if read_current(PACKAGE_BUNDLE):
         return PACKAGE_BUNDLE
     return default_bundle_dir()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Bundle:
@@ -94,7 +86,7 @@ class Bundle:
                 path = self.path / name
                 if not path.exists():
                     raise BundleError(f"bundle {self.path} is missing {name}")
-                actual = _sha256(path)
+                actual = sha256_file(path)
                 if actual != expected:
                     raise BundleError(f"{path} has sha256 {actual[:12]}…, the manifest says {expected[:12]}…: the file is corrupted")
 

@@ -137,6 +137,11 @@ class VariantSpec:
         return DTYPES[self.dtype]
 
     @property
+    def itemsize(self) -> int:
+        """Bytes per element of the input dtype."""
+        return {"bf16": 2, "fp16": 2, "fp32": 4}[self.dtype]
+
+    @property
     def is_dynamic(self) -> bool:
         return self.hidden is None
 
