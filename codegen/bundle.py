@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from tvm_rmsquant import __version__
+from tvm_rmsquant import __version__, launch
 from tvm_rmsquant.bundle_format import CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_cache_dir, read_current, sha256_file
 from tvm_rmsquant.schedules import default_schedule
 from tvm_rmsquant.spec import VariantSpec
@@ -37,9 +37,9 @@ from . import nvcc as nvcc_step
 TARGET_ARCH = "sm_90a"
 #: The files whose content decides the generated source; their hash keys the lowering cache.
 _SOURCE_ROOTS = {
-    "tvm_rmsquant": ("expr.py", "spec.py"),
+    "tvm_rmsquant": ("expr.py", "spec.py", "launch.py"),
     "tvm_rmsquant.schedules": None,
-    "tvm_rmsquant.codegen": ("lower.py",),
+    "tvm_rmsquant.codegen": ("lower.py", "row_views.cuh"),
 }
 
 
@@ -252,7 +252,9 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
         library, figures = objects[name]
         manifest["libraries"][f"{name}.so"] = {"sha256": sha256_file(library), "source": f"{name}.cu", "source_sha256": source_sha}
         for variant in variants:
-            kernel = f"{variant.spec.name}_kernel"
+            kernel = f"{launch.grouped_symbol(variant.spec)}_kernel"
+            if kernel not in figures:
+                raise nvcc_step.NvccError(f"ptxas reported no figures for kernel {kernel} of {name}; found {sorted(figures)[:4]}…")
             manifest["variants"][variant.spec.name] = {
                 "spec": variant.spec.to_json(),
                 "rule": variant.rule,
@@ -260,7 +262,7 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
                 "symbol": variant.spec.name,
                 "library": f"{name}.so",
                 "kernel": kernel,
-                "ptxas": figures.get(kernel, {}),
+                "ptxas": figures[kernel],
             }
     return manifest
 

@@ -7,13 +7,17 @@ turns into a library needing only libtvm_ffi and libcudart.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict, Iterable, Tuple
 
 import tvm
 
-from tvm_rmsquant import expr
+from tvm_rmsquant import expr, launch
 from tvm_rmsquant.schedules import rule_by_name
 from tvm_rmsquant.spec import VariantSpec
+
+#: The C++ helper behind every variant's public entry point (takes [M, K] tensors).
+ROW_VIEWS = Path(__file__).with_name("row_views.cuh")
 
 #: StorageRewrite reuses the all-reduce result buffer in place when the rms block
 #: reads it, letting every thread rewrite a shared value with no barrier (a race).
@@ -25,18 +29,37 @@ def cuda_target():
 
 
 def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]):
-    """The scheduled PrimFunc of one variant, exported under the variant's name."""
+    """The scheduled PrimFunc of one variant, exported under ``grouped_symbol``."""
     rule = rule_by_name(rule_name)
     sch = rule.apply(expr.prim_func(spec), spec, knobs)
-    return sch.mod["main"].with_attr("global_symbol", spec.name)
+    return sch.mod["main"].with_attr("global_symbol", launch.grouped_symbol(spec))
+
+
+def entry_point(spec: VariantSpec) -> str:
+    """C++ for ``spec.name``: [M, K] rows and a [K] weight, viewed by groups in place."""
+    params = launch.parameters(spec)
+    names = ", ".join(f'"{name}"' for name, _ in params)
+    kinds = ", ".join(str(kind) for _, kind in params)
+    inner = f"__tvm_ffi_{launch.grouped_symbol(spec)}"
+    return (
+        f'extern "C" TVM_DLL int32_t __tvm_ffi_{spec.name}(void* self, void* args, int32_t num_args, void* result) {{\n'
+        f"  static const char* const names[] = {{{names}}};\n"
+        f"  static const int kinds[] = {{{kinds}}};\n"
+        f'  return tvm_rmsquant::call_with_group_views({inner}, "{spec.name}", names, kinds, {len(params)}, '
+        f"{spec.group}, args, num_args, result);\n"
+        "}\n"
+    )
 
 
 def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int]]]) -> str:
-    """One translation unit holding every given variant's kernel and host wrapper."""
-    funcs = {spec.name: schedule(spec, rule_name, knobs) for spec, rule_name, knobs in variants}
+    """One translation unit: every given variant's kernel, host wrapper and entry point."""
+    variants = list(variants)
+    funcs = {launch.grouped_symbol(spec): schedule(spec, rule_name, knobs) for spec, rule_name, knobs in variants}
     with tvm.transform.PassContext(config=PASS_CONFIG):
         built = tvm.compile(tvm.IRModule(funcs), target=cuda_target())
-    return tvm.backend.cuda.export_cuda_host(built.mod)
+    parts = [tvm.backend.cuda.export_cuda_host(built.mod), ROW_VIEWS.read_text()]
+    parts += [entry_point(spec) for spec, _, _ in variants]
+    return "\n".join(parts)
 
 
 def cpu_function(spec: VariantSpec):

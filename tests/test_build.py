@@ -51,7 +51,9 @@ def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
         entry = bundle.entry(spec.name)
         assert VariantSpec.from_json(entry["spec"]) == spec
         assert entry["ptxas"]["registers"] > 0 and entry["ptxas"]["spill_stores"] == 0
-        assert (bundle.path / manifest["libraries"][entry["library"]]["source"]).read_text().count(f"{spec.name}_kernel") >= 2
+        source = (bundle.path / manifest["libraries"][entry["library"]]["source"]).read_text()
+        assert entry["kernel"] == f"{spec.name}_grouped_kernel" and source.count(entry["kernel"]) >= 2
+        assert f"__tvm_ffi_{spec.name}(" in source  # the public [M, K] entry point
     assert bundle.entry(SPECS[2].name)["rule"] == "dynamic_rows" and bundle.entry(SPECS[0].name)["rule"] == "row_resident"
 
 
@@ -62,6 +64,31 @@ def test_libraries_need_only_tvm_ffi_and_cudart(built):
         needed = subprocess.run(["readelf", "-d", str(bundle.path / library)], capture_output=True, text=True).stdout
         names = {line.split("[")[1].split("]")[0] for line in needed.splitlines() if "(NEEDED)" in line}
         assert names - {"libtvm_ffi.so", "libcudart.so.13", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6"} == set(), names
+
+
+def test_entry_points_take_torch_shaped_tensors_and_refuse_others_before_any_launch(built):
+    """The [M, K] entry point's own checks run on the host, so they are testable without a GPU."""
+    import torch
+
+    bundle = Bundle(built[0] / "bundle")
+    spec = SPECS[1]  # bf16_k2048_g128_row_fp32: x, weight, eps, q, scales
+    function = bundle.function(spec.name)
+    x, weight = torch.zeros(3, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16)
+    q, scales = torch.empty(3, 2048, dtype=torch.float8_e4m3fn), torch.empty(3, 16)
+    with pytest.raises(TypeError, match="takes 5 arguments, got 4"):
+        function(x, weight, 1e-6, q)
+    with pytest.raises(ValueError, match="x must be 2-D, got 3-D"):
+        function(x.view(3, 16, 128), weight, 1e-6, q, scales)
+    with pytest.raises(ValueError, match="weight must be 1-D, got 2-D"):
+        function(x, weight.view(16, 128), 1e-6, q, scales)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        function(torch.zeros(2048, 3, dtype=torch.bfloat16).t(), weight, 1e-6, q, scales)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\]=100 is not a multiple of the group size 128"):
+        function(torch.zeros(3, 100, dtype=torch.bfloat16), weight, 1e-6, q, scales)
+    with pytest.raises(TypeError, match="q must be a tensor"):
+        function(x, weight, 1e-6, None, scales)
+    # M = 0 returns before the generated wrapper would launch an empty grid.
+    assert function(x[:0], weight, 1e-6, q[:0], scales[:0]) is None
 
 
 def test_a_rerun_with_nothing_changed_rebuilds_nothing(built):

@@ -1,7 +1,8 @@
 """CPU kernels: the tensor expression built for TVM's llvm target, compiled on first use.
 
 This needs the TVM compiler (the [build] extra); without it ``available()`` is False and
-the torch op falls back to the reference.
+the torch op falls back to the reference. A CPU kernel takes the same arguments as a
+bundle's CUDA kernel (``tvm_rmsquant.launch``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+from . import launch
 from .spec import VariantSpec
 
 
@@ -21,4 +23,10 @@ def function(spec: VariantSpec):
     """The llvm build of ``spec``'s tensor expression (dynamic M; static or dynamic K)."""
     from .codegen.lower import cpu_function
 
-    return cpu_function(spec)
+    grouped = cpu_function(spec)
+
+    def call(*args):
+        if args[0].shape[0]:
+            grouped(*launch.group_views(spec, args))
+
+    return call

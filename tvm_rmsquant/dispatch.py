@@ -41,26 +41,35 @@ class Candidate:
 
 @dataclasses.dataclass
 class BoundKernel:
-    """One layer's fused norm + quant, fixed at init. Call with (x, weight, eps, residual)."""
+    """One layer's fused norm + quant, fixed at init. Call with (x, weight, eps, residual).
+
+    Under torch.compile it calls the torch op, which the graph records. In eager mode it
+    calls the same kernel directly (``kernel``, bound at init), which saves the torch
+    dispatcher's per-call cost; both paths run the same code with the same checks.
+    """
 
     spec: VariantSpec
     variant: Optional[str]
     why: List[Candidate]
+    kernel: Optional[ops.Kernel] = dataclasses.field(default=None, repr=False)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None, scale_ub=None):
         """(q, scales) for x [..., K]; ``residual`` (if the variant has one) is updated in place."""
-        leading = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1])
-        if self.variant is None:
-            q, scales, residual_out = reference.rms_norm_group_quant(flat, weight, eps, self.spec, None if residual is None else residual.reshape(flat.shape), scale_ub)
+        flat, residual_flat = x, residual
+        if x.dim() != 2:
+            flat = x.reshape(-1, x.shape[-1])
+            residual_flat = None if residual is None else residual.view(flat.shape)
+        if self.kernel is not None and not torch.compiler.is_compiling():
+            q, scales = self.kernel(flat, weight, eps, residual=residual_flat, scale_ub=scale_ub)
+        elif self.variant is None:
+            q, scales, residual_out = reference.rms_norm_group_quant(flat, weight, eps, self.spec, residual_flat, scale_ub)
             if residual is not None:
                 residual.copy_(residual_out.view(residual.shape))
         elif self.spec.residual:
-            residual_flat = residual.view(flat.shape)
             q, scales = ops.fused_add_rms_norm_group_quant(flat, residual_flat, weight, eps, self.variant, scale_ub)
         else:
             q, scales = ops.rms_norm_group_quant(flat, weight, eps, self.variant, scale_ub)
-        return q.view(*leading, x.shape[-1]), scales
+        return (q if flat is x else q.view(x.shape)), scales
 
 
 def consumer_layout(consumer: Optional[str], scale_layout: Optional[str], scale_format: Optional[str]) -> Tuple[str, str]:
@@ -143,4 +152,7 @@ def select(
         logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
         return BoundKernel(spec=spec, variant=None, why=why)
-    return BoundKernel(spec=chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen, variant=chosen.name, why=why)
+    bound = BoundKernel(spec=chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen, variant=chosen.name, why=why)
+    if device.type == "cuda":
+        bound.kernel = ops.kernel(chosen.name, device)
+    return bound

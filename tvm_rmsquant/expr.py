@@ -27,6 +27,7 @@ This module imports the TVM compiler; the runtime path never imports it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Dict, List
 
 import tvm
@@ -132,17 +133,18 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     """
     dtype = spec.tvm_dtype
     group = spec.group
-    rows = te.var("m")
+    # 64-bit rows: offsets such as m * K pass 2^31 for M * K >= 2^31 elements.
+    rows = te.var("m", "int64")
     if spec.hidden is not None:
         groups = spec.hidden // group
         words = (groups + 3) // 4
     elif spec.format == "ue8m0_packed":
         # Whole packed words only, so that no group loop needs a bounds predicate;
         # ``words`` binds from the packed scales' shape.
-        words = te.var("words")
+        words = te.var("words", "int64")
         groups = words * 4
     else:
-        groups = te.var("groups")
+        groups = te.var("groups", "int64")
         words = None
     hidden = groups * group
     eps = te.var("eps", F32)
@@ -246,7 +248,12 @@ def _with_padded_col_strides(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
         depth += {"(": 1, ")": -1}.get(source[end], 0)
         if depth == 0:
             break
-    source = source[:end] + f', strides=(1, "{PADDED_ROWS}")' + source[end:]
+    # A strided parameter binds only if its shape and strides are all int64 (like the rows).
+    shape_start = start + len(head)
+    shape_end = source.index(")", shape_start)
+    shape = re.sub(r"\b(\d+)\b", r"T.int64(\1)", source[shape_start:shape_end])
+    source = source[:shape_start] + shape + source[shape_end:end] + f", strides=(T.int64(1), {PADDED_ROWS})" + source[end:]
+    source = source.replace("@T.prim_func", f'{PADDED_ROWS} = T.Var("{PADDED_ROWS}", "int64")\n@T.prim_func', 1)
     return tvm.script.from_source(source)
 
 

@@ -1,17 +1,41 @@
 """The kernel calling convention, shared by the CUDA bundle and the CPU (llvm) build.
 
-Kernels take row tensors as [M, K/G, G] views (see ``tvm_rmsquant.expr``), in the order
-x, [r], weight, [scale_ub], eps, q, scales, [residual_out]. M = 0 is never launched:
-the generated host wrapper would launch an empty grid that writes through NULL.
+Arguments, in order: x, [r], weight, [scale_ub], eps, q, scales, [residual_out], with
+row tensors [M, K] and weight [K], as torch holds them. The tensor expression itself
+takes rows as [M, K/G, G] and weight as [K/G, G] (see ``tvm_rmsquant.expr``); the
+bundle's entry points make those views in C++ (``codegen/row_views.cuh``), and the CPU
+build in ``group_views`` below. Neither launches when M = 0.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .spec import VariantSpec
+
+#: How an argument is passed to the tensor expression: as is, or viewed by groups.
+AS_IS, ROWS, WEIGHT = 0, 1, 2
+
+
+def grouped_symbol(spec: VariantSpec) -> str:
+    """The tensor expression's own entry (grouped views); ``spec.name`` is the public one."""
+    return f"{spec.name}_grouped"
+
+
+def parameters(spec: VariantSpec) -> List[Tuple[str, int]]:
+    """(name, kind) of each kernel argument, in call order."""
+    names = [("x", ROWS)]
+    if spec.residual:
+        names.append(("r", ROWS))
+    names.append(("weight", WEIGHT))
+    if spec.scale_ub:
+        names.append(("scale_ub", AS_IS))
+    names += [("eps", AS_IS), ("q", ROWS), ("scales", AS_IS)]
+    if spec.residual:
+        names.append(("residual_out", ROWS))
+    return names
 
 
 def kernel_args(
@@ -24,27 +48,24 @@ def kernel_args(
     residual: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
     scale_ub: Optional[torch.Tensor] = None,
-):
-    rows, hidden = x.shape
-    groups = hidden // spec.group
+) -> list:
+    args = [x] + ([residual] if spec.residual else []) + [weight]
+    args += ([scale_ub] if spec.scale_ub else []) + [float(eps), q, scales]
+    return args + ([residual_out] if spec.residual else [])
 
-    def grouped(tensor):
-        return tensor.view(rows, groups, spec.group)
 
-    args = [grouped(x)]
-    if spec.residual:
-        args.append(grouped(residual))
-    args.append(weight.view(groups, spec.group))
-    if spec.scale_ub:
-        args.append(scale_ub)
-    args += [float(eps), grouped(q), scales]
-    if spec.residual:
-        args.append(grouped(residual_out))
-    return args
+def group_views(spec: VariantSpec, args: Sequence) -> list:
+    """The arguments as the tensor expression takes them: rows [M, K/G, G], weight [K/G, G]."""
+    views = []
+    for arg, (_, kind) in zip(args, parameters(spec)):
+        if kind == ROWS:
+            arg = arg.view(arg.shape[0], -1, spec.group)
+        elif kind == WEIGHT:
+            arg = arg.view(-1, spec.group)
+        views.append(arg)
+    return views
 
 
 def run(function, spec: VariantSpec, x, weight, eps, q, scales, residual=None, residual_out=None, scale_ub=None) -> None:
     """Call one kernel on 2-D, row-contiguous tensors; outputs are written in place."""
-    if x.shape[0] == 0:
-        return
     function(*kernel_args(spec, x, weight, eps, q, scales, residual, residual_out, scale_ub))

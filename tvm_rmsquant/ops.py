@@ -10,13 +10,15 @@ exact shapes, dtypes and strides, the TMA-padded col layout included.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Dict, Tuple
 
 import torch
 
 from . import cpu, launch, reference
 from .loader import open_bundle
-from .spec import VariantSpec
+from .spec import TMA_ALIGN_ROWS, VariantSpec
+
+FP8 = torch.float8_e4m3fn
 
 NAMESPACE = "tvm_rmsquant"
 _library = torch.library.Library(NAMESPACE, "DEF")
@@ -38,7 +40,8 @@ def use_bundle(bundle) -> None:
     """Route CUDA calls of this bundle's variants to it (later registrations win)."""
     for name in bundle.names():
         _BUNDLES[name] = bundle
-    _cuda_kernel.cache_clear()
+    _KERNELS.clear()
+    _per_block_variant.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,19 +49,116 @@ def spec_of(variant: str) -> VariantSpec:
     return VariantSpec.parse(variant)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_kernel(variant: str, device_index: int):
-    bundle = _BUNDLES.get(variant) or open_bundle()
-    bundle.check_device(torch.cuda.get_device_capability(device_index))
-    return bundle.function(variant)
+class Kernel:
+    """One variant's entry point on one device, with what every call needs worked out once.
+
+    ``function`` follows ``tvm_rmsquant.launch`` (a bundle's CUDA kernel, the llvm build,
+    or the reference). A call checks its input with a few attribute compares (the full
+    ``_check`` runs only to word the error), allocates q and the scales, and makes one
+    call; a CUDA entry point views rows by groups in C++ and skips M = 0.
+    """
+
+    def __init__(self, spec: VariantSpec, function):
+        self.spec = spec
+        self.function = function
+        self.dtype = reference.TORCH_DTYPES[spec.dtype]
+        self.scale_dtype = torch.int32 if spec.format == "ue8m0_packed" else torch.float32
+
+    def scales(self, rows: int, hidden: int, device) -> torch.Tensor:
+        """Like ``reference.empty_scales``, in fewer torch calls."""
+        groups = hidden // self.spec.group
+        cols = (groups + 3) // 4 if self.spec.format == "ue8m0_packed" else groups
+        if self.spec.layout == "row":
+            return torch.empty((rows, cols), dtype=self.scale_dtype, device=device)
+        padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
+        return torch.empty(cols * padded, dtype=self.scale_dtype, device=device).as_strided((rows, cols), (1, padded))
+
+    def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None):
+        """(q, scales), written into the given buffers or into new ones; residual updated in place."""
+        spec = self.spec
+        if not (
+            x.dtype is self.dtype
+            and weight.dtype is self.dtype
+            and x.dim() == 2
+            and weight.dim() == 1
+            and weight.shape[0] == x.shape[1]
+            and (spec.hidden == x.shape[1] if spec.hidden is not None else spec.accepts_hidden(x.shape[1]) is None)
+            and weight.device == x.device
+            and (residual is None) != spec.residual
+            and (residual is None or (residual.dtype is self.dtype and residual.shape == x.shape and residual.device == x.device))
+            and (scale_ub is None) != spec.scale_ub
+            and (scale_ub is None or (scale_ub.dtype is torch.float32 and scale_ub.numel() == 1 and scale_ub.device == x.device))
+        ):
+            _check(spec, x, weight, residual, scale_ub)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+        if q is None:
+            q = torch.empty_like(x, dtype=FP8)
+            scales = self.scales(x.shape[0], x.shape[1], x.device)
+        if residual is None:
+            if scale_ub is None:
+                self.function(x, weight, eps, q, scales)
+            else:
+                self.function(x, weight, scale_ub, eps, q, scales)
+            return q, scales
+        # Each residual element is read and then overwritten by the same thread.
+        target = residual if residual.is_contiguous() else residual.contiguous()
+        if scale_ub is None:
+            self.function(x, target, weight, eps, q, scales, target)
+        else:
+            self.function(x, target, weight, scale_ub, eps, q, scales, target)
+        if target is not residual:
+            residual.copy_(target)
+        return q, scales
 
 
-def _kernel_for(x: torch.Tensor, spec: VariantSpec):
-    if x.device.type == "cuda":
-        return _cuda_kernel(spec.name, x.device.index if x.device.index is not None else torch.cuda.current_device())
-    if x.device.type == "cpu" and cpu.available():
-        return cpu.function(spec)
-    return None
+_KERNELS: Dict[Tuple[str, int], Kernel] = {}
+
+
+def kernel(variant: str, device) -> Kernel:
+    """The kernel of ``variant`` on ``device``, loaded once per (variant, device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (variant, -1 if device.type == "cpu" else device.index)
+    found = _KERNELS.get(key)
+    if found is None:
+        found = _KERNELS[key] = _load_kernel(spec_of(variant), device)
+    return found
+
+
+def _kernel_of(variant: str, x: torch.Tensor) -> Kernel:
+    """``kernel`` for x's device, in one dict lookup once loaded (``x.get_device()`` is -1 on CPU)."""
+    return _KERNELS.get((variant, x.get_device())) or kernel(variant, x.device)
+
+
+def _load_kernel(spec: VariantSpec, device: torch.device) -> Kernel:
+    if device.type == "cuda":
+        bundle = _BUNDLES.get(spec.name) or open_bundle()
+        bundle.check_device(torch.cuda.get_device_capability(device))
+        return Kernel(spec, bundle.function(spec.name))
+    if device.type == "cpu":
+        return Kernel(spec, cpu.function(spec) if cpu.available() else _reference_function(spec))
+    raise ValueError(f"x is on {device}; tvm_rmsquant runs on CUDA (bundle kernels) and CPU (llvm build or reference)")
+
+
+def _reference_function(spec: VariantSpec):
+    """The torch reference behind the kernel calling convention (CPU without TVM)."""
+    parameters = [name for name, _ in launch.parameters(spec)]
+
+    def call(*args):
+        named = dict(zip(parameters, args))
+        q, scales, residual = reference.rms_norm_group_quant(
+            named["x"], named["weight"], named["eps"], spec, named.get("r"), named.get("scale_ub")
+        )
+        named["q"].copy_(q)
+        named["scales"].copy_(scales)
+        if residual is not None:
+            named["residual_out"].copy_(residual)
+
+    return call
 
 
 def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=None, scale_ub=None) -> None:
@@ -77,6 +177,10 @@ def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=No
     if weight.shape != (hidden,) or weight.dtype != dtype:
         raise ValueError(f"weight must be [{hidden}] {dtype}, got {tuple(weight.shape)} {weight.dtype}")
     tensors = {"weight": weight}
+    if spec.residual != (residual is not None):
+        raise ValueError(
+            f"variant {spec.name} {'updates a residual: call fused_add_rms_norm_group_quant' if spec.residual else 'has no residual: use a _res variant'}"
+        )
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != dtype:
             raise ValueError(f"residual must be {tuple(x.shape)} {dtype} like x, got {tuple(residual.shape)} {residual.dtype}")
@@ -92,70 +196,49 @@ def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=No
             raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}; put every tensor on one device")
 
 
-def _quantize_into(spec, x, weight, eps, q, scales, residual=None, residual_out=None, scale_ub=None) -> None:
-    """Run the kernel (or the reference) writing q, scales and residual_out in place."""
-    kernel = _kernel_for(x, spec)
-    if kernel is None:
-        q_ref, scales_ref, residual_ref = reference.rms_norm_group_quant(x, weight, eps, spec, residual, scale_ub)
-        q.copy_(q_ref)
-        scales.copy_(scales_ref)
-        if residual_out is not None:
-            residual_out.copy_(residual_ref)
-        return
-    contiguous = x if x.is_contiguous() else x.contiguous()
-    launch.run(kernel, spec, contiguous, weight.contiguous(), eps, q, scales, residual, residual_out, scale_ub)
-
-
 def _outputs(spec: VariantSpec, x: torch.Tensor):
     rows, hidden = x.shape
-    q = torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty((rows, hidden), dtype=FP8, device=x.device)
     return q, reference.empty_scales(spec, rows, hidden, x.device)
 
 
 def _rms_norm_group_quant(x, weight, eps, variant, scale_ub=None):
-    spec = spec_of(variant)
-    _check(spec, x, weight, scale_ub=scale_ub)
-    q, scales = _outputs(spec, x)
-    _quantize_into(spec, x, weight, eps, q, scales, scale_ub=scale_ub)
-    return q, scales
+    return _kernel_of(variant, x)(x, weight, eps, scale_ub=scale_ub)
 
 
 def _fused_add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=None):
-    spec = spec_of(variant)
-    if not spec.residual:
-        raise ValueError(f"variant {variant} has no residual; use a '_res' variant for fused_add_rms_norm_group_quant")
-    _check(spec, x, weight, residual, scale_ub)
-    q, scales = _outputs(spec, x)
-    # The kernel reads each residual element before the same thread overwrites it.
-    target = residual if residual.is_contiguous() else torch.empty_like(residual, memory_format=torch.contiguous_format)
-    source = residual if residual.is_contiguous() else residual.contiguous()
-    _quantize_into(spec, x, weight, eps, q, scales, source, target, scale_ub)
-    if target is not residual:
-        residual.copy_(target)
-    return q, scales
+    return _kernel_of(variant, x)(x, weight, eps, residual=residual, scale_ub=scale_ub)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_block_variant(dtype: torch.dtype, hidden: int, group_size: int, residual: bool, col: bool, scale_ub: bool, device_type: str) -> str:
+    """vLLM's arguments -> our variant: the static-K kernel where the bundle has it, else dynamic-K."""
+    names = {value: key for key, value in reference.TORCH_DTYPES.items()}
+    if dtype not in names:
+        raise TypeError(f"input.dtype={dtype} is not supported; accepted: {sorted(map(str, names))}")
+    spec = VariantSpec(names[dtype], None, group_size, residual, "col" if col else "row", scale_ub=scale_ub)
+    static = spec.with_hidden(hidden)
+    return static.name if static.name in _BUNDLES or device_type != "cuda" else spec.name
 
 
 def _rms_norm_per_block_quant(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed):
-    spec = VariantSpec(
-        dtype={value: key for key, value in reference.TORCH_DTYPES.items()}[input.dtype],
-        hidden=None,
-        group=group_size,
-        residual=residual is not None,
-        layout="col" if is_scale_transposed else "row",
-        scale_ub=scale_ub is not None,
-    )
-    static = spec.with_hidden(input.shape[-1])
-    spec = static if static.name in _BUNDLES or input.device.type != "cuda" else spec
+    if input.dim() != 2:
+        raise ValueError(f"input must be 2-D [M, K], got shape {tuple(input.shape)}")
+    variant = _per_block_variant(input.dtype, input.shape[1], group_size, residual is not None, is_scale_transposed, scale_ub is not None, input.device.type)
+    spec = spec_of(variant)
     _check(spec, input, weight, residual, scale_ub)
     expected = reference.empty_scales(spec, input.shape[0], input.shape[1], "meta")
-    if out.shape != input.shape or out.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"out must be {tuple(input.shape)} float8_e4m3fn, got {tuple(out.shape)} {out.dtype}")
-    if scales.shape != expected.shape or scales.stride() != expected.stride() or scales.dtype != torch.float32:
+    if out.shape != input.shape or out.dtype != FP8 or not out.is_contiguous() or out.device != input.device:
         raise ValueError(
-            f"scales must be {tuple(expected.shape)} float32 with strides {expected.stride()} "
-            f"(is_scale_transposed={is_scale_transposed}), got {tuple(scales.shape)} {scales.dtype} strides {scales.stride()}"
+            f"out must be a contiguous {tuple(input.shape)} float8_e4m3fn tensor on {input.device}, "
+            f"got {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}"
         )
-    _quantize_into(spec, input, weight, epsilon, out, scales, residual, residual, scale_ub)
+    if scales.shape != expected.shape or scales.stride() != expected.stride() or scales.dtype != torch.float32 or scales.device != input.device:
+        raise ValueError(
+            f"scales must be {tuple(expected.shape)} float32 with strides {expected.stride()} on {input.device} "
+            f"(is_scale_transposed={is_scale_transposed}), got {tuple(scales.shape)} {scales.dtype} strides {scales.stride()} on {scales.device}"
+        )
+    _kernel_of(variant, input)(input, weight, epsilon, out, scales, residual, scale_ub)
 
 
 for _name, _function in (
