@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (no TVM there): install the carried apache-tvm-ffi wheel,
 # then check and time the bundles built here and carried in artifacts/.
-#   STAGES   space-separated, any of: tests sweep bench compile   (default: all)
+#   STAGES   space-separated, any of: tests overhead sweep bench compile   (default: all)
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz.
@@ -12,7 +12,7 @@ export TVM_RMSQUANT_BUNDLE=$PWD/artifacts/bundle PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 RESULTS=$OUT
-STAGES=${STAGES:-tests sweep bench compile}
+STAGES=${STAGES:-tests overhead sweep bench compile}
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$RESULTS/gpu.txt"
 for stage in $STAGES; do
@@ -20,6 +20,10 @@ for stage in $STAGES; do
     tests)
       python3 -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} > "$RESULTS/tests.log" 2>&1
       status=$?; tail -n 25 "$RESULTS/tests.log" ;;
+    overhead)
+      python3 -m tvm_rmsquant bench --providers ours --overhead --hidden 4096 --rows 1 --formats col:fp32 \
+        --out /tmp/overhead > "$RESULTS/overhead.log" 2>&1
+      grep -E "overhead|Error" "$RESULTS/overhead.log" ;;
     sweep)
       for bundle in artifacts/sweep_*; do
         echo "== $bundle" >> "$RESULTS/sweep.log"
