@@ -35,20 +35,31 @@ def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]):
     return sch.mod["main"].with_attr("global_symbol", launch.grouped_symbol(spec))
 
 
+#: DLPack (type code, bits) of each input dtype.
+_DLPACK_DTYPES = {"bf16": ("kDLBfloat", 16), "fp16": ("kDLFloat", 16), "fp32": ("kDLFloat", 32)}
+
+
 def entry_point(spec: VariantSpec) -> str:
-    """C++ for ``spec.name``: [M, K] rows and a [K] weight, viewed by groups in place."""
+    """C++ for ``spec.name``: [M, K] rows and a [K] weight, checked, then viewed by groups in place."""
     params = launch.parameters(spec)
     names = ", ".join(f'"{name}"' for name, _ in params)
     kinds = ", ".join(str(kind) for _, kind in params)
-    inner = f"__tvm_ffi_{launch.grouped_symbol(spec)}"
-    return (
-        f'extern "C" TVM_DLL int32_t __tvm_ffi_{spec.name}(void* self, void* args, int32_t num_args, void* result) {{\n'
-        f"  static const char* const names[] = {{{names}}};\n"
-        f"  static const int kinds[] = {{{kinds}}};\n"
-        f'  return tvm_rmsquant::call_with_group_views({inner}, "{spec.name}", names, kinds, {len(params)}, '
-        f"{spec.group}, args, num_args, result);\n"
-        "}\n"
-    )
+    input_dtype = ", ".join("true" if name in launch.INPUT_DTYPE_ARGS else "false" for name, _ in params)
+    code, bits = _DLPACK_DTYPES[spec.dtype]
+    hidden = -1 if spec.hidden is None else spec.hidden
+    multiple = spec.group * (4 if spec.format == "ue8m0_packed" else 1)
+    symbol = spec.name
+    return f"""
+static const char* const {symbol}_names[] = {{{names}}};
+static const int {symbol}_kinds[] = {{{kinds}}};
+static const bool {symbol}_input_dtype[] = {{{input_dtype}}};
+static const tvm_rmsquant::Contract {symbol}_contract = {{
+    "{symbol}", {len(params)}, {symbol}_names, {symbol}_kinds, {symbol}_input_dtype,
+    DLDataType{{{code}, {bits}, 1}}, {spec.group}, {hidden}, {multiple}}};
+extern "C" TVM_DLL int32_t __tvm_ffi_{symbol}(void* self, void* args, int32_t num_args, void* result) {{
+  return tvm_rmsquant::call_with_group_views(__tvm_ffi_{launch.grouped_symbol(spec)}, {symbol}_contract, args, num_args, result);
+}}
+"""
 
 
 def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int]]]) -> str:

@@ -1,14 +1,51 @@
 // The public entry point of each kernel: it takes the tensors as torch holds them
 // (rows [M, K], weight [K]) and calls the TVM-generated wrapper, which takes them as
 // [M, K/G, G] and [K/G, G], with in-place views: no Python-side reshapes per call.
-// It also launches on the tensors' device (the generated wrapper uses the current one)
-// and returns before launching when M == 0 (the generated wrapper would launch an
-// empty grid that writes through NULL).
+// Its checks name the argument, the value received and what is accepted, at no Python
+// cost per call. It launches on the tensors' device (the generated wrapper uses the
+// current one) and returns before launching when M == 0 (the generated wrapper would
+// launch an empty grid that writes through NULL).
+#include <sstream>
+#include <string>
+
 namespace tvm_rmsquant {
 
-enum ArgKind : int { kPassThrough = 0, kRows = 1, kWeight = 2 };
+enum ArgKind : int { kAsIs = 0, kRows = 1, kWeight = 2 };
 using PackedFunction = int32_t (*)(void*, void*, int32_t, void*);
 constexpr int kMaxArgs = 8;
+
+// What one variant accepts; generated per variant next to its entry point.
+struct Contract {
+  const char* name;
+  int32_t arity;
+  const char* const* arg_names;
+  const int* kinds;
+  const bool* input_dtype;  // per argument: must have the input dtype (x, r, weight, residual_out)
+  DLDataType dtype;         // the input dtype
+  int64_t group;
+  int64_t hidden;           // -1: dynamic K
+  int64_t hidden_multiple;  // dynamic K must be a multiple of this
+};
+
+static std::string dtype_name(DLDataType dtype) {
+  if (dtype.lanes == 1) {
+    if (dtype.code == kDLBfloat && dtype.bits == 16) return "bfloat16";
+    if (dtype.code == kDLFloat && dtype.bits == 16) return "float16";
+    if (dtype.code == kDLFloat && dtype.bits == 32) return "float32";
+    if (dtype.code == kDLFloat8_e4m3fn && dtype.bits == 8) return "float8_e4m3fn";
+  }
+  std::ostringstream out;
+  out << "(DLPack code " << int(dtype.code) << ", " << int(dtype.bits) << " bits, " << dtype.lanes << " lanes)";
+  return out.str();
+}
+
+static std::string shape_text(const DLTensor* tensor) {
+  std::ostringstream out;
+  out << "[";
+  for (int i = 0; i < tensor->ndim; ++i) out << (i ? ", " : "") << tensor->shape[i];
+  out << "]";
+  return out.str();
+}
 
 static const DLTensor* tensor_arg(const TVMFFIAny& arg) {
   if (arg.type_index == kTVMFFITensor) return TVMFFITensorGetDLTensorPtr(arg.v_obj);
@@ -16,42 +53,79 @@ static const DLTensor* tensor_arg(const TVMFFIAny& arg) {
   return nullptr;
 }
 
-static int32_t call_with_group_views(PackedFunction grouped, const char* name, const char* const* arg_names,
-                                     const int* kinds, int32_t arity, int64_t group, void* args,
-                                     int32_t num_args, void* result) {
+static bool same_dtype(DLDataType a, DLDataType b) { return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes; }
+
+static int32_t call_with_group_views(PackedFunction grouped, const Contract& contract, void* args, int32_t num_args,
+                                     void* result) {
   TVM_FFI_SAFE_CALL_BEGIN();
-  if (num_args != arity) {
-    TVM_FFI_THROW(TypeError) << name << " takes " << arity << " arguments, got " << num_args;
+  const char* name = contract.name;
+  if (num_args != contract.arity) {
+    TVM_FFI_THROW(TypeError) << name << " takes " << contract.arity << " arguments, got " << num_args;
   }
   const TVMFFIAny* given = static_cast<const TVMFFIAny*>(args);
   TVMFFIAny forwarded[kMaxArgs];
   DLTensor views[kMaxArgs];
   int64_t shapes[kMaxArgs][3];
   int64_t strides[kMaxArgs][3];
-  int64_t rows = -1;
-  int device_id = 0;
-  for (int32_t i = 0; i < arity; ++i) {
+  const DLTensor* first = nullptr;  // x: every row tensor must match it
+  for (int32_t i = 0; i < contract.arity; ++i) {
     forwarded[i] = given[i];
-    if (kinds[i] == kPassThrough) continue;
     const DLTensor* tensor = tensor_arg(given[i]);
-    if (tensor == nullptr) {
-      TVM_FFI_THROW(TypeError) << name << ": " << arg_names[i] << " must be a tensor";
+    const char* arg = contract.arg_names[i];
+    if (contract.kinds[i] == kAsIs) {
+      if (tensor != nullptr && first != nullptr &&
+          (tensor->device.device_type != first->device.device_type || tensor->device.device_id != first->device.device_id)) {
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << " is on device (" << tensor->device.device_type << ", "
+                                  << tensor->device.device_id << "), x on (" << first->device.device_type << ", "
+                                  << first->device.device_id << "); put every tensor on one device";
+      }
+      continue;
     }
-    const int ndim = kinds[i] == kRows ? 2 : 1;
+    if (tensor == nullptr) {
+      TVM_FFI_THROW(TypeError) << name << ": " << arg << " must be a tensor";
+    }
+    const int ndim = contract.kinds[i] == kRows ? 2 : 1;
     if (tensor->ndim != ndim) {
-      TVM_FFI_THROW(ValueError) << name << ": " << arg_names[i] << " must be " << ndim << "-D, got "
-                                << tensor->ndim << "-D";
+      TVM_FFI_THROW(ValueError) << name << ": " << arg << " must be " << ndim << "-D, got " << tensor->ndim
+                                << "-D of shape " << shape_text(tensor);
+    }
+    if (contract.input_dtype[i] && !same_dtype(tensor->dtype, contract.dtype)) {
+      TVM_FFI_THROW(TypeError) << name << ": " << arg << ".dtype is " << dtype_name(tensor->dtype) << "; this variant takes "
+                               << dtype_name(contract.dtype);
     }
     const int64_t hidden = tensor->shape[ndim - 1];
-    if (hidden % group != 0) {
-      TVM_FFI_THROW(ValueError) << name << ": " << arg_names[i] << ".shape[-1]=" << hidden
-                                << " is not a multiple of the group size " << group;
+    if (first == nullptr) {
+      first = tensor;
+      if (hidden % contract.group != 0) {
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << ".shape[-1]=" << hidden << " is not a multiple of the group size "
+                                  << contract.group;
+      }
+      if (contract.hidden >= 0 && hidden != contract.hidden) {
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << ".shape[-1]=" << hidden << "; this variant is built for "
+                                  << contract.hidden << " (use its dynamic-K variant, or build one for " << hidden << ")";
+      }
+      if (contract.hidden < 0 && hidden % contract.hidden_multiple != 0) {
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << ".shape[-1]=" << hidden << "; this variant needs a multiple of "
+                                  << contract.hidden_multiple;
+      }
+    } else {
+      const bool same_shape = hidden == first->shape[1] && (ndim == 1 || tensor->shape[0] == first->shape[0]);
+      if (!same_shape) {
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << " has shape " << shape_text(tensor) << "; with x of shape "
+                                  << shape_text(first) << " it must be "
+                                  << (ndim == 1 ? "[" + std::to_string(first->shape[1]) + "]" : shape_text(first));
+      }
+      if (tensor->device.device_type != first->device.device_type || tensor->device.device_id != first->device.device_id) {
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << " is on device (" << tensor->device.device_type << ", "
+                                  << tensor->device.device_id << "), x on (" << first->device.device_type << ", "
+                                  << first->device.device_id << "); put every tensor on one device";
+      }
     }
     const bool last_contiguous = tensor->strides == nullptr || tensor->strides[ndim - 1] == 1 || hidden == 1;
-    const bool rows_contiguous = ndim == 1 || tensor->strides == nullptr || tensor->shape[0] <= 1 ||
-                                 tensor->strides[0] == hidden;
+    const bool rows_contiguous =
+        ndim == 1 || tensor->strides == nullptr || tensor->shape[0] <= 1 || tensor->strides[0] == hidden;
     if (!last_contiguous || !rows_contiguous) {
-      TVM_FFI_THROW(ValueError) << name << ": " << arg_names[i] << " must be contiguous";
+      TVM_FFI_THROW(ValueError) << name << ": " << arg << " must be contiguous, got shape " << shape_text(tensor);
     }
     views[i] = *tensor;
     views[i].ndim = ndim + 1;
@@ -59,23 +133,25 @@ static int32_t call_with_group_views(PackedFunction grouped, const char* name, c
     views[i].strides = strides[i];
     int64_t* shape = shapes[i];
     int64_t* stride = strides[i];
-    if (kinds[i] == kRows) {
-      rows = tensor->shape[0];
-      device_id = tensor->device.device_id;
-      *shape++ = rows;
+    if (ndim == 2) {
+      *shape++ = tensor->shape[0];
       *stride++ = hidden;
     }
-    shape[0] = hidden / group;
-    shape[1] = group;
-    stride[0] = group;
+    shape[0] = hidden / contract.group;
+    shape[1] = contract.group;
+    stride[0] = contract.group;
     stride[1] = 1;
     forwarded[i].type_index = kTVMFFIDLTensorPtr;
     forwarded[i].zero_padding = 0;
     forwarded[i].v_ptr = &views[i];
   }
-  if (rows == 0) return 0;
-  tvm::ffi::CUDADeviceGuard guard(device_id);
-  if (grouped(nullptr, forwarded, arity, result) != 0) return -1;
+  if (first->device.device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << name << ": x is on DLPack device type " << first->device.device_type
+                              << "; this is a CUDA kernel (CPU tensors run through the torch op's CPU path)";
+  }
+  if (first->shape[0] == 0) return 0;
+  tvm::ffi::CUDADeviceGuard guard(first->device.device_id);
+  if (grouped(nullptr, forwarded, contract.arity, result) != 0) return -1;
   TVM_FFI_SAFE_CALL_END();
 }
 

@@ -66,8 +66,8 @@ def test_libraries_need_only_tvm_ffi_and_cudart(built):
         assert names - {"libtvm_ffi.so", "libcudart.so.13", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6"} == set(), names
 
 
-def test_entry_points_take_torch_shaped_tensors_and_refuse_others_before_any_launch(built):
-    """The [M, K] entry point's own checks run on the host, so they are testable without a GPU."""
+def test_entry_points_check_their_arguments_on_the_host(built):
+    """The [M, K] entry point's checks run before any CUDA call, so they are testable without a GPU."""
     import torch
 
     bundle = Bundle(built[0] / "bundle")
@@ -75,20 +75,18 @@ def test_entry_points_take_torch_shaped_tensors_and_refuse_others_before_any_lau
     function = bundle.function(spec.name)
     x, weight = torch.zeros(3, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16)
     q, scales = torch.empty(3, 2048, dtype=torch.float8_e4m3fn), torch.empty(3, 16)
-    with pytest.raises(TypeError, match="takes 5 arguments, got 4"):
-        function(x, weight, 1e-6, q)
-    with pytest.raises(ValueError, match="x must be 2-D, got 3-D"):
-        function(x.view(3, 16, 128), weight, 1e-6, q, scales)
-    with pytest.raises(ValueError, match="weight must be 1-D, got 2-D"):
-        function(x, weight.view(16, 128), 1e-6, q, scales)
-    with pytest.raises(ValueError, match="x must be contiguous"):
-        function(torch.zeros(2048, 3, dtype=torch.bfloat16).t(), weight, 1e-6, q, scales)
-    with pytest.raises(ValueError, match=r"x.shape\[-1\]=100 is not a multiple of the group size 128"):
-        function(torch.zeros(3, 100, dtype=torch.bfloat16), weight, 1e-6, q, scales)
-    with pytest.raises(TypeError, match="q must be a tensor"):
-        function(x, weight, 1e-6, None, scales)
-    # M = 0 returns before the generated wrapper would launch an empty grid.
-    assert function(x[:0], weight, 1e-6, q[:0], scales[:0]) is None
+    refusals = [
+        (TypeError, "takes 5 arguments, got 4", (x, weight, 1e-6, q)),
+        (ValueError, r"x must be 2-D, got 3-D of shape \[3, 16, 128\]", (x.view(3, 16, 128), weight, 1e-6, q, scales)),
+        (TypeError, "x.dtype is float32; this variant takes bfloat16", (x.float(), weight, 1e-6, q, scales)),
+        (ValueError, r"x.shape\[-1\]=100 is not a multiple of the group size 128", (torch.zeros(3, 100, dtype=torch.bfloat16), weight, 1e-6, q, scales)),
+        (ValueError, r"x.shape\[-1\]=4096; this variant is built for 2048", (torch.zeros(3, 4096, dtype=torch.bfloat16), weight, 1e-6, q, scales)),
+        (ValueError, "x is on DLPack device type 1; this is a CUDA kernel", (x, weight, 1e-6, q, scales)),
+        (ValueError, "x is on DLPack device type 1", (x[:0], weight, 1e-6, q[:0], scales[:0])),
+    ]
+    for error, message, args in refusals:
+        with pytest.raises(error, match=message):
+            function(*args)
 
 
 def test_a_rerun_with_nothing_changed_rebuilds_nothing(built):
@@ -179,3 +177,75 @@ def test_two_builds_racing_on_one_directory_both_finish_with_a_valid_bundle(buil
     bundle = Bundle(tmp_path / "shared")
     assert bundle.names() == sorted(spec.name for spec in SPECS)
     assert not list((tmp_path / "shared" / "bundles").glob(".staging-*"))
+
+
+def _copy_with_manifest(built, tmp_path, change):
+    """A copy of the bundle whose manifest ``change`` edits, re-signed so that only the edit is wrong."""
+    import hashlib
+
+    copy = tmp_path / "signed"
+    shutil.copytree(built[0] / "bundle", copy)
+    old = Bundle(copy).path
+    manifest = json.loads((old / MANIFEST_FILE).read_text())
+    change(manifest)
+    raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    new = old.parent / digest
+    old.rename(new)
+    (new / MANIFEST_FILE).write_bytes(raw)
+    (copy / "CURRENT").write_text(digest + "\n")
+    return copy
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda m: m["toolchain"].update({"apache-tvm-ffi": "0.1.15.post2"}), r"built against apache-tvm-ffi 0.1.15.post2, but 0.1.14.post1 is installed"),
+        (lambda m: m.update(schema_version=99), r"schema_version=99, this package reads"),
+        (lambda m: m["toolchain"].update(target_arch="sm_80"), r"targets 'sm_80', which this package cannot run"),
+        (lambda m: next(iter(m["libraries"].values())).update(sha256="0" * 64), r"has sha256 .*the manifest says 000000000000"),
+    ],
+)
+def test_manifest_mismatches_are_refused_with_the_reason(built, tmp_path, change, reason):
+    with pytest.raises(BundleError, match=reason):
+        Bundle(_copy_with_manifest(built, tmp_path, change))
+
+
+def test_a_missing_library_is_refused(built, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(built[0] / "bundle", copy)
+    bundle = Bundle(copy)
+    library = next(iter(bundle.manifest["libraries"]))
+    (bundle.path / library).unlink()
+    with pytest.raises(BundleError, match=f"is missing {library}"):
+        Bundle(copy)
+
+
+def test_a_killed_build_leaves_the_previous_bundle_usable(built, tmp_path):
+    """SIGKILL mid-compile (nvcc made slow): CURRENT still names the old, verified bundle."""
+    import signal
+    import time
+
+    root, _ = built
+    live = tmp_path / "live"
+    shutil.copytree(root / "bundle", live)
+    before = read_current(live)
+    slow = tmp_path / "nvcc"
+    real = find_nvcc()
+    slow.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec {real} --version\ntouch {tmp_path}/compiling; sleep 60\n')
+    slow.chmod(0o755)
+    script = (
+        "import sys; from pathlib import Path; from tvm_rmsquant.codegen import bundle; from tvm_rmsquant.spec import VariantSpec;"
+        "bundle.build([VariantSpec.parse('bf16_k1024_g128_row_fp32')], Path(sys.argv[1]), jobs=1, cache_dir=Path(sys.argv[2]))"
+    )
+    builder_process = subprocess.Popen([sys.executable, "-c", script, str(live), str(tmp_path / "cache")], env={**os.environ, "NVCC": str(slow)},
+                                       start_new_session=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "compiling").exists():
+        assert builder_process.poll() is None and time.time() < deadline, "the build never reached nvcc"
+        time.sleep(0.2)
+    os.killpg(builder_process.pid, signal.SIGKILL)
+    builder_process.wait()
+    assert read_current(live) == before
+    assert Bundle(live).names() == sorted(spec.name for spec in SPECS)
+    assert not list((tmp_path / "cache").rglob("*.so")), "no partial library may enter the cache"

@@ -312,6 +312,10 @@ def host_overhead(bundle, calls: int = 2000, rounds: int = 7) -> Dict[str, float
         "torch.ops rms_norm_per_block_quant (out=)": lambda: torch.ops.tvm_rmsquant.rms_norm_per_block_quant(q, x, w, scales, 1e-6, None, r, 128, True),
         "tvm-ffi entry point (outputs given)": lambda: entry(x, r, w, 1e-6, q, scales, r),
         "torch.add": lambda: torch.add(x, r),
+        # What our Python path spends its time on, for the record:
+        "part: torch.empty_like (q)": lambda: torch.empty_like(x, dtype=torch.float8_e4m3fn),
+        "part: torch.empty_strided (col scales)": lambda: torch.empty_strided((1, 32), (1, 4), device=x.device),
+        "part: torch.compiler.is_compiling()": torch.compiler.is_compiling,
     }
     samples: Dict[str, List[float]] = {name: [] for name in candidates}
     for name, call in candidates.items():

@@ -108,10 +108,18 @@ def select(
     consumer_weight: Optional[torch.Tensor] = None,
     output_dtype: torch.dtype = torch.bfloat16,
     scale_ub: bool = False,
+    weight_dtype: Optional[torch.dtype] = None,
 ) -> BoundKernel:
-    """Choose the kernel for one layer: static-K, then dynamic-K, then the torch reference."""
+    """Choose the kernel for one layer: static-K, then dynamic-K, then the torch reference.
+
+    ``weight_dtype`` is the norm weight's dtype where it differs from the activations'
+    (Gemma-style fp32 weights with bf16 activations): the kernels take one dtype, so such
+    a layer runs the torch reference, with a warning, rather than failing at init.
+    """
     if dtype not in _DTYPE_NAMES:
         raise TypeError(f"dtype={dtype} is not supported; accepted: {sorted(map(str, _DTYPE_NAMES))}")
+    if weight_dtype is not None and weight_dtype not in _DTYPE_NAMES:
+        raise TypeError(f"weight_dtype={weight_dtype} is not supported; accepted: {sorted(map(str, _DTYPE_NAMES))}")
     why: List[Candidate] = []
     layout, fmt = consumer_layout(consumer, scale_layout, scale_format)
     if consumer_weight is not None and consumer is not None and consumer.startswith("deepgemm"):
@@ -123,7 +131,9 @@ def select(
     device = torch.device(device)
 
     chosen = None
-    if device.type == "cuda":
+    if weight_dtype is not None and weight_dtype != dtype:
+        why.append(Candidate(spec.name, False, f"the norm weight is {weight_dtype} and the activations {dtype}; kernels take one dtype"))
+    elif device.type == "cuda":
         try:
             opened = open_bundle(bundle)
             opened.check_device(torch.cuda.get_device_capability(device))
@@ -144,10 +154,12 @@ def select(
             chosen = candidate
             why.append(Candidate(candidate.name, True, f"{opened.entry(candidate.name)['rule']} kernel from {opened.path}"))
             break
-    else:
+    elif device.type == "cpu":
         # CPU: the op runs the llvm build of this static spec (or the reference without TVM).
         chosen = spec
         why.append(Candidate(spec.name, True, "CPU op (TVM llvm build where installed, else the reference)"))
+    else:
+        why.append(Candidate(spec.name, False, f"device={device} is neither CUDA nor CPU"))
     if chosen is None:
         logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))

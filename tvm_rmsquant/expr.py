@@ -12,7 +12,7 @@ Stages, by block name (schedules find them by these names and never restate the 
     rms        1 / sqrt(sumsq / K + eps)
     y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))
     absmax     max over each group of bits(|y|)        NaN-propagating, see below
-    scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0
+    scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0; NaN if ub <= 0
     q          float8_e4m3fn(clamp(y / scale, -448, 448))
     scales     the scale write: ``scale`` itself, or the packed UE8M0 words
 
@@ -191,7 +191,9 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     def group_scale(m, g):
         amax = tirx.reinterpret(F32, absmax[m, g])
         if ub is not None:
-            amax = _let("amax", amax, lambda a: tirx.Select(a > ub[0], ub[0], a))
+            # A cap that is not > 0 (or NaN) cannot give a valid scale: NaN, as in the reference.
+            capped = _let("amax", amax, lambda a: tirx.Select(a > ub[0], ub[0], a))
+            amax = tirx.Select(ub[0] > _f32(0.0), capped, tirx.reinterpret(F32, _u32(0x7FC00000)))
         floored = _let("s", amax / _f32(FP8_MAX), lambda s: tirx.Select(s < _f32(MIN_SCALE), _f32(MIN_SCALE), s))
         return _let("s", floored, round_up_pow2) if spec.pow2_scales else floored
 

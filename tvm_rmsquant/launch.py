@@ -15,6 +15,8 @@ import torch
 
 from .spec import VariantSpec
 
+#: Arguments that must have the input dtype.
+INPUT_DTYPE_ARGS = ("x", "r", "weight", "residual_out")
 #: How an argument is passed to the tensor expression: as is, or viewed by groups.
 AS_IS, ROWS, WEIGHT = 0, 1, 2
 

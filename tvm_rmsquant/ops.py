@@ -10,6 +10,7 @@ exact shapes, dtypes and strides, the TMA-padded col layout included.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -53,45 +54,39 @@ class Kernel:
     """One variant's entry point on one device, with what every call needs worked out once.
 
     ``function`` follows ``tvm_rmsquant.launch`` (a bundle's CUDA kernel, the llvm build,
-    or the reference). A call checks its input with a few attribute compares (the full
-    ``_check`` runs only to word the error), allocates q and the scales, and makes one
-    call; a CUDA entry point views rows by groups in C++ and skips M = 0.
+    or the reference). On CUDA a call allocates q and the scales and makes one tvm-ffi
+    call: the entry point checks the arguments, views rows by groups and skips M = 0 in
+    C++, which keeps the per-call Python work to a few attribute reads.
     """
 
-    def __init__(self, spec: VariantSpec, function):
+    def __init__(self, spec: VariantSpec, function, checks_natively: bool):
         self.spec = spec
         self.function = function
+        #: A bundle entry point checks dtypes, shapes and devices itself (codegen/row_views.cuh).
+        self.checks_natively = checks_natively
         self.dtype = reference.TORCH_DTYPES[spec.dtype]
         self.scale_dtype = torch.int32 if spec.format == "ue8m0_packed" else torch.float32
 
     def scales(self, rows: int, hidden: int, device) -> torch.Tensor:
-        """Like ``reference.empty_scales``, in fewer torch calls."""
+        """``reference.empty_scales``, without its per-call spec arithmetic."""
         groups = hidden // self.spec.group
         cols = (groups + 3) // 4 if self.spec.format == "ue8m0_packed" else groups
         if self.spec.layout == "row":
             return torch.empty((rows, cols), dtype=self.scale_dtype, device=device)
         padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
-        return torch.empty(cols * padded, dtype=self.scale_dtype, device=device).as_strided((rows, cols), (1, padded))
+        return torch.empty_strided((rows, cols), (1, padded), dtype=self.scale_dtype, device=device)
 
     def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None):
         """(q, scales), written into the given buffers or into new ones; residual updated in place."""
         spec = self.spec
-        if not (
-            x.dtype is self.dtype
-            and weight.dtype is self.dtype
-            and x.dim() == 2
-            and weight.dim() == 1
-            and weight.shape[0] == x.shape[1]
-            and (spec.hidden == x.shape[1] if spec.hidden is not None else spec.accepts_hidden(x.shape[1]) is None)
-            and weight.device == x.device
-            and (residual is None) != spec.residual
-            and (residual is None or (residual.dtype is self.dtype and residual.shape == x.shape and residual.device == x.device))
-            and (scale_ub is None) != spec.scale_ub
-            and (scale_ub is None or (scale_ub.dtype is torch.float32 and scale_ub.numel() == 1 and scale_ub.device == x.device))
-        ):
+        if not 0.0 < eps < math.inf:
+            raise ValueError(f"eps={eps!r} must be a positive finite number, such as 1e-6")
+        if not self.checks_natively or (residual is None) == spec.residual or (scale_ub is None) == spec.scale_ub:
             _check(spec, x, weight, residual, scale_ub)
         if not x.is_contiguous():
-            x = x.contiguous()
+            if x.stride(-1) != 1:
+                _check(spec, x, weight, residual, scale_ub)
+            x = x.contiguous()  # strided rows: the kernel reads compact rows
         if not weight.is_contiguous():
             weight = weight.contiguous()
         if q is None:
@@ -104,7 +99,12 @@ class Kernel:
                 self.function(x, weight, scale_ub, eps, q, scales)
             return q, scales
         # Each residual element is read and then overwritten by the same thread.
-        target = residual if residual.is_contiguous() else residual.contiguous()
+        if residual.is_contiguous():
+            target = residual
+        elif residual.stride(-1) != 1:
+            raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
+        else:
+            target = residual.contiguous()
         if scale_ub is None:
             self.function(x, target, weight, eps, q, scales, target)
         else:
@@ -138,9 +138,9 @@ def _load_kernel(spec: VariantSpec, device: torch.device) -> Kernel:
     if device.type == "cuda":
         bundle = _BUNDLES.get(spec.name) or open_bundle()
         bundle.check_device(torch.cuda.get_device_capability(device))
-        return Kernel(spec, bundle.function(spec.name))
+        return Kernel(spec, bundle.function(spec.name), checks_natively=True)
     if device.type == "cpu":
-        return Kernel(spec, cpu.function(spec) if cpu.available() else _reference_function(spec))
+        return Kernel(spec, cpu.function(spec) if cpu.available() else _reference_function(spec), checks_natively=False)
     raise ValueError(f"x is on {device}; tvm_rmsquant runs on CUDA (bundle kernels) and CPU (llvm build or reference)")
 
 
@@ -164,24 +164,32 @@ def _reference_function(spec: VariantSpec):
 def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=None, scale_ub=None) -> None:
     """Refuse input the variant cannot run, naming the argument, the value and what works."""
     dtype = reference.TORCH_DTYPES[spec.dtype]
+    if x.dtype != dtype:
+        raise TypeError(f"x.dtype={x.dtype} does not match variant {spec.name}, which takes {dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K] here, got shape {tuple(x.shape)}; the Python API flattens [..., K]")
     hidden = x.shape[1]
-    if x.dtype != dtype:
-        raise TypeError(f"x.dtype={x.dtype} does not match variant {spec.name}, which takes {dtype}")
     reason = spec.accepts_hidden(hidden)
     if reason is not None:
         raise ValueError(f"x.shape[-1]={hidden}: variant {spec.name} {reason}")
     if x.stride(-1) != 1:
         raise ValueError(f"x must have a contiguous last dimension, got strides {x.stride()}")
-    if weight.shape != (hidden,) or weight.dtype != dtype:
-        raise ValueError(f"weight must be [{hidden}] {dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.dtype != dtype:
+        raise TypeError(
+            f"weight.dtype={weight.dtype} differs from x.dtype={dtype}; the kernels take one dtype. For a "
+            f"{weight.dtype} norm weight (Gemma-style) use tvm_rmsquant.select(..., weight_dtype={weight.dtype}), "
+            f"which routes to the torch reference"
+        )
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}] (x.shape[-1]), got shape {tuple(weight.shape)}")
     tensors = {"weight": weight}
     if spec.residual != (residual is not None):
         raise ValueError(
             f"variant {spec.name} {'updates a residual: call fused_add_rms_norm_group_quant' if spec.residual else 'has no residual: use a _res variant'}"
         )
     if residual is not None:
+        if residual.stride(-1) != 1:
+            raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
         if residual.shape != x.shape or residual.dtype != dtype:
             raise ValueError(f"residual must be {tuple(x.shape)} {dtype} like x, got {tuple(residual.shape)} {residual.dtype}")
         tensors["residual"] = residual

@@ -16,13 +16,14 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 
 def empty_scales(spec: VariantSpec, rows: int, hidden: int, device) -> torch.Tensor:
-    """Allocate the scale tensor in the variant's layout (col: TMA-padded column-major)."""
-    shape, _, stored_rows, dtype = scale_geometry(spec, rows, hidden)
-    torch_dtype = torch.int32 if dtype == "int32" else torch.float32
-    if spec.layout == "row":
-        return torch.empty(shape, dtype=torch_dtype, device=device)
-    storage = torch.empty((shape[1], stored_rows), dtype=torch_dtype, device=device)
-    return storage[:, :rows].t()
+    """Allocate the scale tensor in the variant's layout (col: TMA-padded column-major).
+
+    One ``empty_strided``: the col storage ends at the last element rather than the last
+    padded row. A TMA consumer that reads whole padded columns reads at most 3 elements
+    past it, inside the caching allocator's 512-byte rounding, and only for rows >= M.
+    """
+    shape, strides, _, dtype = scale_geometry(spec, rows, hidden)
+    return torch.empty_strided(shape, strides, dtype=torch.int32 if dtype == "int32" else torch.float32, device=device)
 
 
 def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,8 @@ def rms_norm_group_quant(
 ):
     """Return (q, scales, residual_out) for 2-D x [M, K]; residual_out is None without residual.
 
-    Non-finite values propagate: a group holding NaN gets a NaN scale and NaN codes.
+    Non-finite values propagate, never to a finite garbage scale: see the README's
+    "Edge cases" for what NaN, Inf, overflow and a bad ``scale_ub`` give.
     """
     rows, hidden = x.shape
     dtype = TORCH_DTYPES[spec.dtype]
@@ -97,7 +99,9 @@ def rms_norm_group_quant(
     grouped = y.view(rows, num_groups(hidden, spec.group), spec.group)
     absmax = grouped.abs().amax(dim=-1)
     if scale_ub is not None:
-        absmax = torch.minimum(absmax, scale_ub.float().reshape(()))
+        # A cap that is not > 0 (or NaN) cannot give a valid scale: every scale is NaN.
+        ub = scale_ub.float().reshape(())
+        absmax = torch.where(ub > 0, torch.minimum(absmax, ub), torch.full_like(absmax, float("nan")))
     scale = torch.clamp(absmax / FP8_MAX, min=MIN_SCALE)
     if spec.pow2_scales:
         scale = round_up_pow2(scale)

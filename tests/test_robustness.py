@@ -1,0 +1,317 @@
+"""Robustness: bad input is refused clearly, edge cases have one defined answer, big M is right.
+
+Every refusal names the argument, the value received and what is accepted. The same cases
+run on CPU (the op's llvm build, in CI) and, marked ``gpu``, through the bundle's CUDA
+entry points, whose checks are C++ (``codegen/row_views.cuh``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tvm_rmsquant
+from tvm_rmsquant import ops, reference
+from tvm_rmsquant.checks import compare, random_inputs
+from tvm_rmsquant.dispatch import select
+from tvm_rmsquant.spec import FP8_MAX, MIN_SCALE, VariantSpec
+
+K = 4096
+PLAIN = VariantSpec("bf16", K, 128, layout="col")
+RESIDUAL = VariantSpec("bf16", K, 128, True, "col", "ue8m0")
+CAPPED = VariantSpec("bf16", K, 128, False, "row", "fp32", scale_ub=True)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def device(request):
+    """"cpu", or "cuda" with the bundle's kernels routed in."""
+    if request.param == "cuda":
+        ops.use_bundle(request.getfixturevalue("gpu_bundle"))
+    return request.param
+
+
+def _inputs(spec, rows, device, seed=0):
+    return random_inputs(spec, rows, K, seed=seed, device=device)
+
+
+def _run(spec, x, w, eps=1e-6, residual=None, scale_ub=None):
+    if spec.residual:
+        return ops.fused_add_rms_norm_group_quant(x, residual, w, eps, spec.name, scale_ub)
+    return ops.rms_norm_group_quant(x, w, eps, spec.name, scale_ub)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def _refusals(device):
+    """(error, message regex, spec, x, weight, eps, residual): each must be refused."""
+    x, w = _inputs(PLAIN, 8, device)["x"], _inputs(PLAIN, 8, device)["weight"]
+    r = torch.randn_like(x)
+    on = dict(device=device)
+    return [
+        ("fp8 input", TypeError, r"x.dtype.*float8_e4m3fn", PLAIN, x.to(torch.float8_e4m3fn), w, 1e-6, None),
+        ("int input", TypeError, r"x.dtype.*int32", PLAIN, torch.ones(8, K, dtype=torch.int32, **on), w, 1e-6, None),
+        ("fp32 weight", TypeError, r"weight.dtype.*float32", PLAIN, x, w.float(), 1e-6, None),
+        ("transposed x", ValueError, r"x must (have a contiguous last dimension|be contiguous)", PLAIN, torch.randn(K, 8, **on).bfloat16().t(), w, 1e-6, None),
+        ("K not a multiple of G", ValueError, r"x.shape\[-1\]=4000", PLAIN, x[:, :4000], w[:4000], 1e-6, None),
+        ("wrong K for the variant", ValueError, r"x.shape\[-1\]=2048", PLAIN, x[:, :2048].contiguous(), w[:2048], 1e-6, None),
+        ("short weight", ValueError, r"weight.*(\[4096\]|shape \[2048\])", PLAIN, x, w[:2048], 1e-6, None),
+        ("3-D x to the op", ValueError, r"x must be 2-D", PLAIN, x.view(2, 4, K), w, 1e-6, None),
+        ("residual of the wrong shape", ValueError, r"residual.*(shape|must be)", RESIDUAL, x, w, 1e-6, r[:4]),
+        ("residual of the wrong dtype", TypeError if device == "cuda" else ValueError, r"r(esidual)?.*(float32|dtype)", RESIDUAL, x, w, 1e-6, r.float()),
+        ("residual with a transposed last dim", ValueError, r"residual must have a contiguous last dimension", RESIDUAL, x, w, 1e-6, torch.randn(K, 8, **on).bfloat16().t()),
+        ("residual to the plain op", ValueError, r"has no residual", PLAIN, x, w, 1e-6, r),
+        ("no residual to the fused op", ValueError, r"updates a residual", RESIDUAL, x, w, 1e-6, None),
+        ("eps = 0", ValueError, r"eps=0.0 must be a positive finite number", PLAIN, x, w, 0.0, None),
+        ("eps < 0", ValueError, r"eps=-1e-06 must be a positive finite number", PLAIN, x, w, -1e-6, None),
+        ("eps NaN", ValueError, r"eps=nan must be a positive finite number", PLAIN, x, w, math.nan, None),
+    ]
+
+
+def _call_refusal(spec, x, w, eps, residual):
+    if spec.residual and residual is not None:
+        return ops.fused_add_rms_norm_group_quant(x, residual, w, eps, spec.name)
+    if residual is not None:
+        return ops.fused_add_rms_norm_group_quant(x, residual, w, eps, spec.name)
+    if spec.residual:
+        return ops.rms_norm_group_quant(x, w, eps, spec.name)
+    return ops.rms_norm_group_quant(x, w, eps, spec.name)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_bad_input_is_refused_naming_the_argument_and_the_value(device):
+    for case, error, message, spec, x, w, eps, residual in _refusals(device):
+        with pytest.raises(error, match=message):
+            _call_refusal(spec, x, w, eps, residual)
+            pytest.fail(f"{case}: not refused")
+
+
+@pytest.mark.gpu
+def test_tensors_on_different_devices_are_refused(gpu_bundle):
+    ops.use_bundle(gpu_bundle)
+    inputs = _inputs(PLAIN, 8, "cuda")
+    with pytest.raises((ValueError, RuntimeError), match=r"weight.*(device|cpu)"):
+        ops.rms_norm_group_quant(inputs["x"], inputs["weight"].cpu(), 1e-6, PLAIN.name)
+
+
+def test_cpu_tensors_run_the_cpu_path_whatever_the_bundle(monkeypatch, tmp_path):
+    """A CUDA-only bundle (here: none at all) never stops CPU tensors: they run the llvm build."""
+    monkeypatch.setenv("TVM_RMSQUANT_BUNDLE", str(tmp_path / "no-bundle"))
+    inputs = _inputs(PLAIN, 5, "cpu")
+    got = ops.rms_norm_group_quant(inputs["x"], inputs["weight"], 1e-6, PLAIN.name)
+    want = reference.rms_norm_group_quant(inputs["x"], inputs["weight"], 1e-6, PLAIN)
+    assert compare(PLAIN, (*got, None), want, K).passed
+
+
+def test_a_gemma_style_fp32_weight_is_routed_to_the_reference_with_a_warning(caplog):
+    inputs = _inputs(PLAIN, 6, "cpu")
+    weight = inputs["weight"].float() * 1.001  # not representable in bf16
+    with caplog.at_level(logging.WARNING, logger="tvm_rmsquant"):
+        bound = select(K, torch.bfloat16, scale_layout="col", device="cuda", weight_dtype=torch.float32)
+        q, scales = tvm_rmsquant.rms_norm_group_quant(inputs["x"], weight, scale_layout="col")
+    assert bound.variant is None and "float32" in bound.why[0].reason
+    assert "torch reference" in caplog.text
+    want_q, want_scales, _ = reference.rms_norm_group_quant(inputs["x"], weight, 1e-6, PLAIN)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
+def test_the_api_checks_scale_ub_eps_and_the_weight_up_front():
+    inputs = _inputs(PLAIN, 2, "cpu")
+    x, w = inputs["x"], inputs["weight"]
+    for ub, message in ((torch.tensor([0.0]), r"scale_ub=0.0 must be > 0"), (torch.tensor([-1.0]), r"scale_ub=-1.0 must be > 0"),
+                        (torch.tensor([1.0, 2.0]), "one-element float32")):
+        with pytest.raises(ValueError, match=message):
+            tvm_rmsquant.rms_norm_group_quant(x, w, scale_ub=ub)
+    with pytest.raises(ValueError, match="eps=0 must be a positive finite number"):
+        tvm_rmsquant.rms_norm_group_quant(x, w, eps=0)
+    with pytest.raises(ValueError, match=r"weight must be \[4096\]"):
+        tvm_rmsquant.rms_norm_group_quant(x, w[:100])
+    with pytest.raises(ValueError, match=r"hidden=4000 .*group=128|4000.*128"):
+        tvm_rmsquant.rms_norm_group_quant(x[:, :4000], w[:4000])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_a_cap_that_is_not_positive_gives_nan_scales_never_finite_garbage(device):
+    """The op cannot read a GPU scalar without a sync, so scale_ub <= 0 is defined: NaN."""
+    inputs = _inputs(CAPPED, 4, device)
+    for cap in (0.0, -1.0, math.nan):
+        q, scales = _run(CAPPED, inputs["x"], inputs["weight"], scale_ub=torch.tensor([cap], device=device))
+        assert torch.isnan(scales).all() and torch.isnan(q.float()).all(), cap
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_out_variant_refuses_wrong_buffers(device):
+    inputs = _inputs(PLAIN, 8, device)
+    x, w = inputs["x"], inputs["weight"]
+    good_out = torch.empty(8, K, dtype=torch.float8_e4m3fn, device=device)
+    good_scales = reference.empty_scales(PLAIN, 8, K, device)
+    cases = [
+        (torch.empty(8, K, dtype=torch.uint8, device=device), good_scales, True, "out must be a contiguous"),
+        (torch.empty(4, K, dtype=torch.float8_e4m3fn, device=device), good_scales, True, r"out must be .*\(8, 4096\)"),
+        (good_out, torch.empty(8, 32, device=device), True, r"scales must be \(8, 32\) float32 with strides \(1, 8\)"),
+        (good_out, good_scales.double(), True, "scales must be"),
+        (good_out, torch.empty(8, 16, device=device), False, r"scales must be \(8, 32\)"),
+    ]
+    for out, scales, transposed, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ops.rms_norm_per_block_quant(out, x, w, scales, 1e-6, None, None, 128, transposed)
+    ops.rms_norm_per_block_quant(good_out, x, w, good_scales, 1e-6, None, None, 128, True)
+    want = reference.rms_norm_group_quant(x.cpu(), w.cpu(), 1e-6, PLAIN)
+    assert compare(PLAIN, (good_out, good_scales, None), want, K).passed
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("spec", [PLAIN, RESIDUAL, VariantSpec("bf16", K, 128, layout="col", format="ue8m0_packed"), VariantSpec("bf16", K, 128)])
+def test_zero_rows_give_empty_outputs_with_the_real_shapes_and_strides(device, spec):
+    inputs = _inputs(spec, 0, device)
+    residual = inputs["residual"] if spec.residual else None
+    q, scales = _run(spec, inputs["x"], inputs["weight"], residual=residual)
+    expected = reference.empty_scales(spec, 0, K, "meta")
+    assert q.shape == (0, K) and q.dtype == torch.float8_e4m3fn and q.device.type == device
+    assert scales.shape == expected.shape and scales.stride() == expected.stride() and scales.dtype == expected.dtype
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_strided_rows_and_3d_inputs_are_supported(device):
+    inputs = _inputs(RESIDUAL, 12, device)
+    wide = torch.randn(12, K + 256, device=device).bfloat16()
+    x = wide[:, 128 : 128 + K]  # rows strided, last dim contiguous
+    r = inputs["residual"]
+    want = reference.rms_norm_group_quant(x.cpu(), inputs["weight"].cpu(), 1e-6, RESIDUAL, r.cpu())
+    r_strided = torch.empty(12, K + 64, dtype=torch.bfloat16, device=device)[:, :K]
+    r_strided.copy_(r)
+    q, scales = _run(RESIDUAL, x, inputs["weight"], residual=r_strided)
+    assert compare(RESIDUAL, (q.cpu(), scales.cpu(), r_strided.cpu()), want, K).passed
+    q3, scales3 = tvm_rmsquant.rms_norm_group_quant(x.reshape(3, 4, K), inputs["weight"], scale_layout="col", scale_format="ue8m0",
+                                                    residual=r.clone().view(3, 4, K))
+    assert q3.shape == (3, 4, K) and torch.equal(q3.view(12, K).view(torch.uint8).cpu(), q.view(torch.uint8).cpu())
+
+
+# -- numerical edge cases -----------------------------------------------------------------------
+
+
+def _edge_rows(spec, device):
+    """Rows that each hold one edge case (see the README's "Edge cases")."""
+    dtype = reference.TORCH_DTYPES[spec.dtype]
+    base = random_inputs(spec, 9, K, seed=7, device=device)
+    x = base["x"].clone()
+    x[0] = 0  # an all-zero row
+    x[1, : spec.group] = 0  # one all-zero group
+    x[2, 5] = 3.0e4  # a single huge outlier
+    x[3] = torch.finfo(dtype).max * 0.99  # near the dtype's max: the fp32 sum of squares overflows
+    x[4] = torch.finfo(dtype).tiny / 4  # subnormals
+    x[5, 17] = math.nan
+    x[6, 300] = math.inf
+    residual = base["residual"].clone() if spec.residual else None
+    if residual is not None:
+        residual[0] = 0
+        residual[1, : spec.group] = 0
+        residual[7, 9] = math.nan  # NaN in r
+    return x, base["weight"], residual
+
+
+EDGE_SPECS = [RESIDUAL, VariantSpec("bf16", K, 128, layout="col"), VariantSpec("bf16", K, 128, layout="col", format="ue8m0_packed")]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("spec", EDGE_SPECS)
+def test_edge_cases_match_the_reference_and_are_what_the_readme_says(device, spec):
+    x, weight, residual = _edge_rows(spec, device)
+    got_residual = None if residual is None else residual.clone()
+    q, scales = _run(spec, x, weight, residual=got_residual)
+    want = reference.rms_norm_group_quant(x.cpu(), weight.cpu(), 1e-6, spec, None if residual is None else residual.cpu())
+    agreement = compare(spec, (q, scales, got_residual), want, K)
+    assert agreement.passed, agreement.describe()  # NaN in the same places, the rest under the usual bar
+
+    q, per_group = q.cpu().float(), reference.scales_fp32(scales.cpu(), spec, K)
+    minimum = MIN_SCALE if not spec.pow2_scales else 2.0 ** math.ceil(math.log2(MIN_SCALE))
+    for row in (0, 3):  # zero row; overflowing row (rms = 1 / sqrt(inf) = 0): minimum scale, zero codes
+        assert torch.all(per_group[row] == minimum) and torch.all(q[row] == 0), row
+    assert per_group[1, 0] == minimum and torch.all(q[1, : spec.group] == 0)  # an all-zero group
+    assert torch.all(torch.isfinite(per_group[2])) and q[2].abs().max() == FP8_MAX  # the outlier takes 448
+    for row in (5,) + ((7,) if spec.residual else ()):  # NaN in h: rms is NaN, the whole row is NaN
+        assert torch.isnan(per_group[row]).all() and torch.isnan(q[row]).all(), row
+    # Inf in h: rms = 1 / sqrt(inf) = 0, so the row normalizes to 0 except inf * 0 = NaN itself.
+    inf_group = 300 // spec.group
+    assert torch.isnan(per_group[6, inf_group]) and torch.isnan(q[6, 300])
+    others = torch.ones(per_group.shape[1], dtype=torch.bool)
+    others[inf_group] = False
+    assert torch.all(per_group[6, others] == minimum)
+    assert torch.isfinite(per_group[[0, 1, 2, 3, 4, 8]]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_nan_in_the_weight_poisons_its_group_only(device):
+    spec = EDGE_SPECS[1]
+    inputs = _inputs(spec, 5, device)
+    weight = inputs["weight"].clone()
+    weight[1000] = math.nan
+    q, scales = _run(spec, inputs["x"], weight)
+    want = reference.rms_norm_group_quant(inputs["x"].cpu(), weight.cpu(), 1e-6, spec)
+    assert compare(spec, (q, scales, None), want, K).passed
+    per_group, group = reference.scales_fp32(scales.cpu(), spec, K), 1000 // spec.group
+    assert torch.isnan(per_group[:, group]).all() and torch.isfinite(per_group[:, :group]).all() and torch.isfinite(per_group[:, group + 1 :]).all()
+    assert torch.isnan(q.cpu().float()[:, group * spec.group : (group + 1) * spec.group]).all()
+
+
+# -- property tests (CPU, llvm build) -----------------------------------------------------------
+
+_LAYOUT_FORMATS = [("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed")]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
+    group=st.sampled_from([64, 128]),
+    residual=st.booleans(),
+    layout_format=st.sampled_from(_LAYOUT_FORMATS),
+    rows=st.integers(0, 40),
+    words=st.integers(1, 6),
+    magnitude=st.sampled_from([1e-3, 1.0, 50.0]),
+    outliers=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_specs_shapes_and_values_match_the_reference(dtype, group, residual, layout_format, rows, words, magnitude, outliers, seed):
+    pytest.importorskip("tvm", reason="the CPU kernels are TVM's llvm build")
+    layout, fmt = layout_format
+    hidden = words * 4 * group  # whole packed words, so every format's dynamic-K kernel applies
+    spec = VariantSpec(dtype, None, group, residual, layout, fmt)
+    inputs = random_inputs(spec, rows, hidden, seed=seed, outliers=outliers)
+    x = (inputs["x"].float() * magnitude).to(inputs["x"].dtype)
+    r = inputs["residual"]
+    want = reference.rms_norm_group_quant(x, inputs["weight"], 1e-6, spec, r)
+    got_r = None if r is None else r.clone()
+    if residual:
+        q, scales = ops.fused_add_rms_norm_group_quant(x, got_r, inputs["weight"], 1e-6, spec.name)
+    else:
+        q, scales = ops.rms_norm_group_quant(x, inputs["weight"], 1e-6, spec.name)
+    agreement = compare(spec, (q, scales, got_r), want, hidden)
+    assert agreement.passed, agreement.describe()
+
+
+# -- big tensors --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_more_than_2_to_the_31_elements_are_indexed_correctly(gpu_bundle):
+    """M * K >= 2^31 (M = 300000, K = 7168): rows past the int32 boundary are right."""
+    ops.use_bundle(gpu_bundle)
+    spec = VariantSpec("bf16", 7168, 128, True, "col", "fp32")
+    rows = 300_000
+    assert rows * 7168 >= 2**31
+    inputs = random_inputs(spec, rows, 7168, seed=11, device="cuda", outliers=False)
+    x, w, r = inputs["x"], inputs["weight"], inputs["residual"]
+    boundary = 2**31 // 7168  # the first row whose offset passes int32
+    checked = list(range(0, 4)) + list(range(boundary - 2, boundary + 3)) + list(range(rows - 4, rows))
+    x_rows, r_rows = x[checked].cpu(), r[checked].cpu()
+    q, scales = ops.fused_add_rms_norm_group_quant(x, r, w, 1e-6, spec.name)
+    want = reference.rms_norm_group_quant(x_rows, w.cpu(), 1e-6, spec, r_rows)
+    got = (q[checked].cpu(), scales[checked].cpu().contiguous(), r[checked].cpu())
+    agreement = compare(VariantSpec("bf16", 7168, 128, True, "row", "fp32"), got, (want[0], want[1].contiguous(), want[2]), 7168)
+    assert agreement.passed, agreement.describe()
