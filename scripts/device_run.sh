@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (no TVM there): install the carried apache-tvm-ffi wheel,
 # then check and time the bundles built here and carried in artifacts/.
-#   STAGES   space-separated, any of: tests overhead sweep bench compile   (default: all)
+#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile   (default: all)
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+# The installed layout (schedules/ and codegen/ inside the package), without pip or network.
+PKG=/tmp/pkg-$$
+mkdir -p $PKG && cp -r tvm_rmsquant $PKG/ && cp -r schedules $PKG/tvm_rmsquant/schedules \
+  && cp -r codegen $PKG/tvm_rmsquant/codegen || exit 1
+export PYTHONPATH=/tmp/site:$PKG
 export TVM_RMSQUANT_BUNDLE=$PWD/artifacts/bundle PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 RESULTS=$OUT
-STAGES=${STAGES:-tests overhead sweep bench compile}
+STAGES=${STAGES:-tests overhead sanitize sweep bench compile}
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$RESULTS/gpu.txt"
 for stage in $STAGES; do
@@ -24,6 +28,15 @@ for stage in $STAGES; do
       python3 -m tvm_rmsquant bench --providers ours --overhead --hidden 4096 --rows 1 --formats col:fp32 \
         --out /tmp/overhead > "$RESULTS/overhead.log" 2>&1
       grep -E "overhead|Error" "$RESULTS/overhead.log" ;;
+    sanitize)
+      SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
+      # The three tools side by side on the one GPU; each log ends with its error summary.
+      for tool in memcheck racecheck initcheck; do
+        "$SANITIZER" --tool $tool --error-exitcode 1 python3 scripts/sanitize.py ${SANITIZE_ARGS:-} \
+          > "$RESULTS/sanitize_$tool.log" 2>&1 &
+      done
+      wait
+      for tool in memcheck racecheck initcheck; do echo "== $tool"; grep -E "ERROR SUMMARY|sanitize:|WRONG|Error" "$RESULTS/sanitize_$tool.log" | tail -n 5; done ;;
     sweep)
       for bundle in artifacts/sweep_*; do
         echo "== $bundle" >> "$RESULTS/sweep.log"
