@@ -20,6 +20,7 @@ from tvm_rmsquant.spec import VariantSpec, num_groups
 from .base import Knobs, ScheduleRule
 
 MAX_THREADS = 1024
+WARP = 32
 #: fp32 values of the row held per thread (h and y); past this ptxas spills.
 MAX_RESIDENT = 64
 
@@ -47,6 +48,10 @@ class RowResident(ScheduleRule):
         threads = lanes * (groups // per_thread)
         if threads > MAX_THREADS:
             return f"needs {threads} threads per block, more than {MAX_THREADS}"
+        if threads % WARP:
+            # TVM then reduces through shared memory, warp-synchronously without __syncwarp:
+            # a hazard that compute-sanitizer's racecheck reports.
+            return f"{threads} threads per block is not a whole number of warps"
         if per_thread * vector > MAX_RESIDENT:
             return f"{per_thread * vector} resident values per thread would spill"
         if spec.format == "ue8m0_packed" and per_thread % 4 and per_thread != groups:
@@ -56,11 +61,12 @@ class RowResident(ScheduleRule):
     def default(self, spec: VariantSpec) -> Optional[Knobs]:
         if spec.is_dynamic:
             return None
-        vector = 16 // spec.itemsize
-        for per_thread in (4, 2, 8, 1, 16):
-            knobs = {"vector": vector, "groups_per_thread": per_thread}
-            if self.check(spec, knobs) is None:
-                return knobs
+        widest = 16 // spec.itemsize
+        for vector in (widest, widest // 2):
+            for per_thread in (4, 2, 8, 1, 16):
+                knobs = {"vector": vector, "groups_per_thread": per_thread}
+                if self.check(spec, knobs) is None:
+                    return knobs
         return None
 
     def apply(self, func, spec: VariantSpec, knobs: Knobs):

@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 PKG=/tmp/pkg-$$
 mkdir -p $PKG && cp -r tvm_rmsquant $PKG/ && cp -r schedules $PKG/tvm_rmsquant/schedules \
   && cp -r codegen $PKG/tvm_rmsquant/codegen || exit 1
-export PYTHONPATH=/tmp/site:$PKG
+export PYTHONPATH=/tmp/site:$PKG  # and python3 -P: the checkout must not shadow it
 export TVM_RMSQUANT_BUNDLE=$PWD/artifacts/bundle PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,10 +22,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 for stage in $STAGES; do
   case $stage in
     tests)
-      python3 -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} > "$RESULTS/tests.log" 2>&1
+      python3 -P -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} > "$RESULTS/tests.log" 2>&1
       status=$?; tail -n 25 "$RESULTS/tests.log" ;;
     overhead)
-      python3 -m tvm_rmsquant bench --providers ours --overhead --hidden 4096 --rows 1 --formats col:fp32 \
+      python3 -P -m tvm_rmsquant bench --providers ours --overhead --hidden 4096 --rows 1 --formats col:fp32 \
         --out /tmp/overhead > "$RESULTS/overhead.log" 2>&1
       grep -E "overhead|Error" "$RESULTS/overhead.log" ;;
     sanitize)
@@ -40,16 +40,16 @@ for stage in $STAGES; do
     sweep)
       for bundle in artifacts/sweep_*; do
         echo "== $bundle" >> "$RESULTS/sweep.log"
-        python3 -m tvm_rmsquant bench --bundle "$bundle" --providers ours --hidden 4096,7168 --rows 64,4096,16384 \
+        python3 -P -m tvm_rmsquant bench --bundle "$bundle" --providers ours --hidden 4096,7168 --rows 64,4096,16384 \
           --formats row:fp32,col:ue8m0 --out "/tmp/sweep/$(basename "$bundle")" >> "$RESULTS/sweep.log" 2>&1
       done
       grep -E "==|M= *(4096|16384)" "$RESULTS/sweep.log"; tar -czf "$RESULTS/sweep.tar.gz" -C /tmp sweep ;;
     bench)
-      python3 -m tvm_rmsquant bench --providers ours,triton --overhead --out /tmp/bench \
+      python3 -P -m tvm_rmsquant bench --providers ours,triton --overhead --out /tmp/bench \
         ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} > "$RESULTS/bench.log" 2>&1
       grep -E "ceiling|overhead|WRONG|ERROR|Error" "$RESULTS/bench.log" | head -n 30; tar -czf "$RESULTS/bench.tar.gz" -C /tmp bench ;;
     compile)
-      python3 -m tvm_rmsquant bench --providers ours,triton,torch_compile,torch_eager --hidden 4096,7168 --rows 4096,16384 \
+      python3 -P -m tvm_rmsquant bench --providers ours,triton,torch_compile,torch_eager --hidden 4096,7168 --rows 4096,16384 \
         --out /tmp/compile > "$RESULTS/compile.log" 2>&1
       tail -n 50 "$RESULTS/compile.log"; tar -czf "$RESULTS/compile.tar.gz" -C /tmp compile ;;
   esac

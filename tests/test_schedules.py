@@ -31,3 +31,16 @@ def test_bad_knobs_are_refused_with_the_reason():
         rule.validate(spec, {"vector": 8, "groups_per_thread": 4, "unroll": 2})
     # An override the rule cannot take leaves the default in place.
     assert overriding({"groups_per_thread": 2})(spec) == default_schedule(spec)
+
+
+def test_default_blocks_are_whole_warps_so_reductions_use_shuffles():
+    """A partial warp makes TVM reduce warp-synchronously through shared memory (a racecheck hazard)."""
+    from tvm_rmsquant.presets import preset
+
+    rule = rule_by_name("row_resident")
+    for spec in preset("default"):
+        name, knobs = default_schedule(spec)
+        if name == "row_resident":
+            lanes = spec.group // knobs["vector"]
+            assert lanes * (spec.hidden // spec.group // knobs["groups_per_thread"]) % 32 == 0, spec.name
+    assert "not a whole number of warps" in rule.check(VariantSpec("bf16", 2560, 128), {"vector": 8, "groups_per_thread": 4})
