@@ -33,6 +33,9 @@ static std::string dtype_name(DLDataType dtype) {
     if (dtype.code == kDLFloat && dtype.bits == 16) return "float16";
     if (dtype.code == kDLFloat && dtype.bits == 32) return "float32";
     if (dtype.code == kDLFloat8_e4m3fn && dtype.bits == 8) return "float8_e4m3fn";
+    if (dtype.code == kDLInt) return "int" + std::to_string(dtype.bits);
+    if (dtype.code == kDLUInt) return "uint" + std::to_string(dtype.bits);
+    if (dtype.code == kDLFloat) return "float" + std::to_string(dtype.bits);
   }
   std::ostringstream out;
   out << "(DLPack code " << int(dtype.code) << ", " << int(dtype.bits) << " bits, " << dtype.lanes << " lanes)";

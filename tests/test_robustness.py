@@ -139,6 +139,8 @@ def test_the_api_checks_scale_ub_eps_and_the_weight_up_front():
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_a_cap_that_is_not_positive_gives_nan_scales_never_finite_garbage(device):
     """The op cannot read a GPU scalar without a sync, so scale_ub <= 0 is defined: NaN."""
+    if device == "cuda" and CAPPED.name not in ops.open_bundle():
+        pytest.skip(f"the bundle has no scale_ub variant ({CAPPED.name}); the 'all' preset builds them")
     inputs = _inputs(CAPPED, 4, device)
     for cap in (0.0, -1.0, math.nan):
         q, scales = _run(CAPPED, inputs["x"], inputs["weight"], scale_ub=torch.tensor([cap], device=device))

@@ -1,6 +1,6 @@
 """The kernel calling convention, shared by the CUDA bundle and the CPU (llvm) build.
 
-Arguments, in order: x, [r], weight, [scale_ub], eps, q, scales, [residual_out], with
+Arguments, in order: x, [residual], weight, [scale_ub], eps, q, scales, [residual_out], with
 row tensors [M, K] and weight [K], as torch holds them. The tensor expression itself
 takes rows as [M, K/G, G] and weight as [K/G, G] (see ``tvm_rmsquant.expr``); the
 bundle's entry points make those views in C++ (``codegen/row_views.cuh``), and the CPU
@@ -16,7 +16,7 @@ import torch
 from .spec import VariantSpec
 
 #: Arguments that must have the input dtype.
-INPUT_DTYPE_ARGS = ("x", "r", "weight", "residual_out")
+INPUT_DTYPE_ARGS = ("x", "residual", "weight", "residual_out")
 #: How an argument is passed to the tensor expression: as is, or viewed by groups.
 AS_IS, ROWS, WEIGHT = 0, 1, 2
 
@@ -30,7 +30,7 @@ def parameters(spec: VariantSpec) -> List[Tuple[str, int]]:
     """(name, kind) of each kernel argument, in call order."""
     names = [("x", ROWS)]
     if spec.residual:
-        names.append(("r", ROWS))
+        names.append(("residual", ROWS))
     names.append(("weight", WEIGHT))
     if spec.scale_ub:
         names.append(("scale_ub", AS_IS))

@@ -151,7 +151,7 @@ def _reference_function(spec: VariantSpec):
     def call(*args):
         named = dict(zip(parameters, args))
         q, scales, residual = reference.rms_norm_group_quant(
-            named["x"], named["weight"], named["eps"], spec, named.get("r"), named.get("scale_ub")
+            named["x"], named["weight"], named["eps"], spec, named.get("residual"), named.get("scale_ub")
         )
         named["q"].copy_(q)
         named["scales"].copy_(scales)
