@@ -249,3 +249,16 @@ def test_a_killed_build_leaves_the_previous_bundle_usable(built, tmp_path):
     assert read_current(live) == before
     assert Bundle(live).names() == sorted(spec.name for spec in SPECS)
     assert not list((tmp_path / "cache").rglob("*.so")), "no partial library may enter the cache"
+
+
+def test_row_offsets_in_the_generated_cuda_are_64_bit(built):
+    """M * K can pass 2^31 (M = 300000, K = 7168): every kernel takes M as int64 and offsets rows in int64."""
+    import re
+
+    bundle = Bundle(built[0] / "bundle")
+    for spec in SPECS:
+        entry = bundle.entry(spec.name)
+        source = (bundle.path / bundle.manifest["libraries"][entry["library"]]["source"]).read_text()
+        signature = re.search(rf"__global__ void __launch_bounds__\(\d+\) {entry['kernel']}\(([^)]*)\)", source).group(1)
+        assert "int64_t m" in signature and "int m," not in signature and not signature.endswith("int m"), signature
+        assert "((int64_t)blockIdx.x)" in source
