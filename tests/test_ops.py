@@ -140,3 +140,19 @@ def test_compile_with_inductor_and_reduce_overhead_mode():
     torch._dynamo.reset()
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     torch.testing.assert_close(compiled(x, r.clone()), eager)
+
+
+def test_without_the_tvm_compiler_the_cpu_op_runs_the_reference(monkeypatch):
+    """The runtime needs no TVM: on CPU the op then computes the torch reference, residual included."""
+    from tvm_rmsquant import cpu
+
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setattr(cpu, "function", lambda spec: pytest.fail("the llvm build must not be used"))
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    variant = "bf16_k256_g128_res_col_ue8m0_packed"
+    x, w, r = _inputs(rows=4)
+    got_r = r.clone()
+    q, scales = ops.fused_add_rms_norm_group_quant(x, got_r, w, 1e-6, variant)
+    want_q, want_scales, want_r = reference.rms_norm_group_quant(x, w, 1e-6, VariantSpec.parse(variant), r)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert torch.equal(got_r, want_r) and scales.stride() == want_scales.stride()
