@@ -51,7 +51,8 @@ def _run(spec, x, w, eps=1e-6, residual=None, scale_ub=None):
 
 def _refusals(device):
     """(error, message regex, spec, x, weight, eps, residual): each must be refused."""
-    x, w = _inputs(PLAIN, 8, device)["x"], _inputs(PLAIN, 8, device)["weight"]
+    inputs = _inputs(PLAIN, 8, device)
+    x, w = inputs["x"], inputs["weight"]
     r = torch.randn_like(x)
     on = dict(device=device)
     return [
@@ -75,12 +76,9 @@ def _refusals(device):
 
 
 def _call_refusal(spec, x, w, eps, residual):
-    if spec.residual and residual is not None:
-        return ops.fused_add_rms_norm_group_quant(x, residual, w, eps, spec.name)
+    """The op the caller's arguments pick, whatever the variant (so mismatches reach the op)."""
     if residual is not None:
         return ops.fused_add_rms_norm_group_quant(x, residual, w, eps, spec.name)
-    if spec.residual:
-        return ops.rms_norm_group_quant(x, w, eps, spec.name)
     return ops.rms_norm_group_quant(x, w, eps, spec.name)
 
 

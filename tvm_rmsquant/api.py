@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch
 
-from .dispatch import _DTYPE_NAMES, BoundKernel, Candidate
+from .dispatch import BoundKernel, Candidate
 from .loader import BundleError, open_bundle
-from .reference import TORCH_DTYPES
+from .reference import DTYPE_NAMES, TORCH_DTYPES
 from .spec import VariantSpec
 
 logger = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ def rms_norm_group_quant(
     x is [..., K]; returns q [..., K] float8_e4m3fn and the scales in the requested layout.
     For repeated calls in a model, prefer ``tvm_rmsquant.select`` at init.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPE_NAMES:
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPE_NAMES:
         raise TypeError(f"x must be a bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
-    if not isinstance(weight, torch.Tensor) or weight.dtype not in _DTYPE_NAMES:
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPE_NAMES:
         raise TypeError(f"weight must be a bf16, fp16 or fp32 tensor, got {getattr(weight, 'dtype', type(weight))}")
     if not 0.0 < eps < math.inf:
         raise ValueError(f"eps={eps!r} must be a positive finite number, such as 1e-6")
@@ -67,5 +67,5 @@ def rms_norm_group_quant(
             raise ValueError(f"scale_ub must be a one-element float32 tensor, got {scale_ub!r}")
         if not float(scale_ub) > 0:
             raise ValueError(f"scale_ub={float(scale_ub)} must be > 0 (it caps each group's absmax)")
-    spec = VariantSpec(_DTYPE_NAMES[x.dtype], x.shape[-1], group_size, residual is not None, scale_layout, scale_format, scale_ub is not None)
+    spec = VariantSpec(DTYPE_NAMES[x.dtype], x.shape[-1], group_size, residual is not None, scale_layout, scale_format, scale_ub is not None)
     return _resolve(spec, x.device.type, weight.dtype)(x, weight, eps, residual, scale_ub)

@@ -16,6 +16,7 @@ import torch
 
 from . import ops, reference
 from .loader import BundleError, open_bundle
+from .reference import DTYPE_NAMES
 from .spec import VariantSpec
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,6 @@ CONSUMERS = {
     "triton": ("row", "fp32"),
     "row": ("row", "fp32"),
 }
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +116,10 @@ def select(
     (Gemma-style fp32 weights with bf16 activations): the kernels take one dtype, so such
     a layer runs the torch reference, with a warning, rather than failing at init.
     """
-    if dtype not in _DTYPE_NAMES:
-        raise TypeError(f"dtype={dtype} is not supported; accepted: {sorted(map(str, _DTYPE_NAMES))}")
-    if weight_dtype is not None and weight_dtype not in _DTYPE_NAMES:
-        raise TypeError(f"weight_dtype={weight_dtype} is not supported; accepted: {sorted(map(str, _DTYPE_NAMES))}")
+    if dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype={dtype} is not supported; accepted: {sorted(map(str, DTYPE_NAMES))}")
+    if weight_dtype is not None and weight_dtype not in DTYPE_NAMES:
+        raise TypeError(f"weight_dtype={weight_dtype} is not supported; accepted: {sorted(map(str, DTYPE_NAMES))}")
     why: List[Candidate] = []
     layout, fmt = consumer_layout(consumer, scale_layout, scale_format)
     if consumer_weight is not None and consumer is not None and consumer.startswith("deepgemm"):
@@ -127,7 +127,7 @@ def select(
         if refusal is not None:
             why.append(Candidate(f"consumer {consumer}", False, refusal + "; falling back to Triton's row-major fp32 scales"))
             layout, fmt = CONSUMERS["triton"]
-    spec = VariantSpec(_DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub)
+    spec = VariantSpec(DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub)
     device = torch.device(device)
 
     chosen = None

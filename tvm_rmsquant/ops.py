@@ -101,9 +101,9 @@ class Kernel:
         # Each residual element is read and then overwritten by the same thread.
         if residual.is_contiguous():
             target = residual
-        elif residual.stride(-1) != 1:
-            raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
         else:
+            if residual.stride(-1) != 1:
+                _check(spec, x, weight, residual, scale_ub)
             target = residual.contiguous()
         if scale_ub is None:
             self.function(x, target, weight, eps, q, scales, target)
@@ -221,10 +221,9 @@ def _fused_add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=
 @functools.lru_cache(maxsize=None)
 def _per_block_variant(dtype: torch.dtype, hidden: int, group_size: int, residual: bool, col: bool, scale_ub: bool, device_type: str) -> str:
     """vLLM's arguments -> our variant: the static-K kernel where the bundle has it, else dynamic-K."""
-    names = {value: key for key, value in reference.TORCH_DTYPES.items()}
-    if dtype not in names:
-        raise TypeError(f"input.dtype={dtype} is not supported; accepted: {sorted(map(str, names))}")
-    spec = VariantSpec(names[dtype], None, group_size, residual, "col" if col else "row", scale_ub=scale_ub)
+    if dtype not in reference.DTYPE_NAMES:
+        raise TypeError(f"input.dtype={dtype} is not supported; accepted: {sorted(map(str, reference.DTYPE_NAMES))}")
+    spec = VariantSpec(reference.DTYPE_NAMES[dtype], None, group_size, residual, "col" if col else "row", scale_ub=scale_ub)
     static = spec.with_hidden(hidden)
     return static.name if static.name in _BUNDLES or device_type != "cuda" else spec.name
 

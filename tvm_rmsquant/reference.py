@@ -13,6 +13,8 @@ import torch
 from .spec import FP8_MAX, MIN_SCALE, VariantSpec, num_groups, scale_geometry
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: torch dtype -> the spec's dtype name.
+DTYPE_NAMES = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()}
 
 
 def empty_scales(spec: VariantSpec, rows: int, hidden: int, device) -> torch.Tensor:
