@@ -101,9 +101,9 @@ class Kernel:
         # Each residual element is read and then overwritten by the same thread.
         if residual.is_contiguous():
             target = residual
+        elif residual.stride(-1) != 1:
+            raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
         else:
-            if residual.stride(-1) != 1:
-                _check(spec, x, weight, residual, scale_ub)
             target = residual.contiguous()
         if scale_ub is None:
             self.function(x, target, weight, eps, q, scales, target)
