@@ -59,6 +59,7 @@ def test_vllm_out_variant_writes_its_outputs():
     [
         (ops.rms_norm_group_quant, lambda x, w, r: (x, w, 1e-6, "bf16_k256_g128_col_fp32")),
         (ops.fused_add_rms_norm_group_quant, lambda x, w, r: (x, r, w, 1e-6, "bf16_k256_g128_res_row_fp32")),
+        (ops.add_rms_norm_group_quant, lambda x, w, r: (x, r, w, 1e-6, "bf16_k256_g128_res_col_ue8m0")),
         (ops.rms_norm_per_block_quant, lambda x, w, r: (torch.empty(6, K, dtype=torch.float8_e4m3fn), x, w, torch.empty(6, 2), 1e-6, None, r, 128, False)),
     ],
 )

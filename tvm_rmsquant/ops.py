@@ -28,6 +28,11 @@ _library.define(
     "fused_add_rms_norm_group_quant(Tensor x, Tensor(a!) residual, Tensor weight, float eps, str variant, "
     "Tensor? scale_ub=None) -> (Tensor, Tensor)"
 )
+# The functional form, for graphs (the fusion pass): residual_out is a new tensor.
+_library.define(
+    "add_rms_norm_group_quant(Tensor x, Tensor residual, Tensor weight, float eps, str variant, "
+    "Tensor? scale_ub=None) -> (Tensor, Tensor, Tensor)"
+)
 # vLLM's signature, so that vLLM could swap this kernel in.
 _library.define(
     "rms_norm_per_block_quant(Tensor(a!) out, Tensor input, Tensor weight, Tensor(b!) scales, float epsilon, "
@@ -76,8 +81,11 @@ class Kernel:
         padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
         return torch.empty_strided((rows, cols), (1, padded), dtype=self.scale_dtype, device=device)
 
-    def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None):
-        """(q, scales), written into the given buffers or into new ones; residual updated in place."""
+    def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None, residual_out=None):
+        """(q, scales), written into the given buffers or into new ones.
+
+        The updated residual goes to ``residual_out`` when given, else into ``residual`` in place.
+        """
         spec = self.spec
         if not 0.0 < eps < math.inf:
             raise ValueError(f"eps={eps!r} must be a positive finite number, such as 1e-6")
@@ -98,18 +106,16 @@ class Kernel:
             else:
                 self.function(x, weight, scale_ub, eps, q, scales)
             return q, scales
-        # Each residual element is read and then overwritten by the same thread.
-        if residual.is_contiguous():
-            target = residual
-        elif residual.stride(-1) != 1:
+        if residual.stride(-1) != 1:
             raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
-        else:
-            target = residual.contiguous()
+        source = residual if residual.is_contiguous() else residual.contiguous()
+        # In place, each residual element is read and then overwritten by the same thread.
+        target = source if residual_out is None else residual_out
         if scale_ub is None:
-            self.function(x, target, weight, eps, q, scales, target)
+            self.function(x, source, weight, eps, q, scales, target)
         else:
-            self.function(x, target, weight, scale_ub, eps, q, scales, target)
-        if target is not residual:
+            self.function(x, source, weight, scale_ub, eps, q, scales, target)
+        if residual_out is None and target is not residual:
             residual.copy_(target)
         return q, scales
 
@@ -218,6 +224,12 @@ def _fused_add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=
     return _kernel_of(variant, x)(x, weight, eps, residual=residual, scale_ub=scale_ub)
 
 
+def _add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=None):
+    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    q, scales = _kernel_of(variant, x)(x, weight, eps, residual=residual, scale_ub=scale_ub, residual_out=residual_out)
+    return q, scales, residual_out
+
+
 @functools.lru_cache(maxsize=None)
 def _per_block_variant(dtype: torch.dtype, hidden: int, group_size: int, residual: bool, col: bool, scale_ub: bool, device_type: str) -> str:
     """vLLM's arguments -> our variant: the static-K kernel where the bundle has it, else dynamic-K."""
@@ -251,6 +263,7 @@ def _rms_norm_per_block_quant(out, input, weight, scales, epsilon, scale_ub, res
 for _name, _function in (
     ("rms_norm_group_quant", _rms_norm_group_quant),
     ("fused_add_rms_norm_group_quant", _fused_add_rms_norm_group_quant),
+    ("add_rms_norm_group_quant", _add_rms_norm_group_quant),
     ("rms_norm_per_block_quant", _rms_norm_per_block_quant),
 ):
     _library.impl(_name, _function, "CPU")
@@ -267,6 +280,11 @@ def _fake_fused(x, residual, weight, eps, variant, scale_ub=None):
     return _outputs(spec_of(variant), x)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::add_rms_norm_group_quant")
+def _fake_add(x, residual, weight, eps, variant, scale_ub=None):
+    return (*_outputs(spec_of(variant), x), torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
 @torch.library.register_fake(f"{NAMESPACE}::rms_norm_per_block_quant")
 def _fake_out(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed):
     return None
@@ -274,4 +292,5 @@ def _fake_out(out, input, weight, scales, epsilon, scale_ub, residual, group_siz
 
 rms_norm_group_quant = torch.ops.tvm_rmsquant.rms_norm_group_quant
 fused_add_rms_norm_group_quant = torch.ops.tvm_rmsquant.fused_add_rms_norm_group_quant
+add_rms_norm_group_quant = torch.ops.tvm_rmsquant.add_rms_norm_group_quant
 rms_norm_per_block_quant = torch.ops.tvm_rmsquant.rms_norm_per_block_quant

@@ -75,6 +75,43 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, spec: VariantSpec) -> torc
     return (q.float().view(rows, -1, spec.group) * per_group.unsqueeze(-1)).view(rows, hidden)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """(y, residual_out): RMSNorm of x (after the fp32 residual add), rounded as the contract says.
+
+    y has the input dtype; residual_out (None without residual) is h rounded to it, while
+    the norm itself uses the unrounded fp32 h. A model written with this and
+    ``group_quant`` is what ``tvm_rmsquant.fusion`` rewrites into the fused op.
+    """
+    dtype = x.dtype
+    h = x.float() if residual is None else x.float() + residual.float()
+    residual_out = None if residual is None else h.to(dtype)
+    # 1 / sqrt rather than torch.rsqrt: both roundings are exact on CPU and CUDA alike,
+    # where CUDA's rsqrt is approximate; the kernels compute it the same way.
+    rms = 1.0 / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = ((h * rms).to(dtype).float() * weight.float()).to(dtype)
+    return y, residual_out
+
+
+def group_quant(y: torch.Tensor, spec: VariantSpec, scale_ub: Optional[torch.Tensor] = None):
+    """(q, scales): per-token-group FP8 quantization of 2-D y [M, K] in the spec's layout and format."""
+    rows, hidden = y.shape
+    grouped = y.float().view(rows, num_groups(hidden, spec.group), spec.group)
+    absmax = grouped.abs().amax(dim=-1)
+    if scale_ub is not None:
+        # A cap that is not > 0 (or NaN) cannot give a valid scale: every scale is NaN.
+        ub = scale_ub.float().reshape(())
+        absmax = torch.where(ub > 0, torch.minimum(absmax, ub), torch.full_like(absmax, float("nan")))
+    scale = torch.clamp(absmax / FP8_MAX, min=MIN_SCALE)
+    if spec.pow2_scales:
+        scale = round_up_pow2(scale)
+
+    q = torch.clamp(grouped / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, hidden)
+
+    scales = empty_scales(spec, rows, hidden, y.device)
+    scales.copy_(pack_ue8m0(scale) if spec.format == "ue8m0_packed" else scale)
+    return q, scales
+
+
 def rms_norm_group_quant(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -88,28 +125,6 @@ def rms_norm_group_quant(
     Non-finite values propagate, never to a finite garbage scale: see the README's
     "Edge cases" for what NaN, Inf, overflow and a bad ``scale_ub`` give.
     """
-    rows, hidden = x.shape
-    dtype = TORCH_DTYPES[spec.dtype]
-    h = x.float() if residual is None else x.float() + residual.float()
-    residual_out = None if residual is None else h.to(dtype)
-
-    # 1 / sqrt rather than torch.rsqrt: both roundings are exact on CPU and CUDA alike,
-    # where CUDA's rsqrt is approximate; the kernels compute it the same way.
-    rms = 1.0 / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = ((h * rms).to(dtype).float() * weight.float()).to(dtype).float()
-
-    grouped = y.view(rows, num_groups(hidden, spec.group), spec.group)
-    absmax = grouped.abs().amax(dim=-1)
-    if scale_ub is not None:
-        # A cap that is not > 0 (or NaN) cannot give a valid scale: every scale is NaN.
-        ub = scale_ub.float().reshape(())
-        absmax = torch.where(ub > 0, torch.minimum(absmax, ub), torch.full_like(absmax, float("nan")))
-    scale = torch.clamp(absmax / FP8_MAX, min=MIN_SCALE)
-    if spec.pow2_scales:
-        scale = round_up_pow2(scale)
-
-    q = torch.clamp(grouped / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, hidden)
-
-    scales = empty_scales(spec, rows, hidden, x.device)
-    scales.copy_(pack_ue8m0(scale) if spec.format == "ue8m0_packed" else scale)
+    y, residual_out = rms_norm(x, weight, eps, residual)
+    q, scales = group_quant(y, spec, scale_ub)
     return q, scales, residual_out

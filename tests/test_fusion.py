@@ -1,0 +1,85 @@
+"""The fusion pass: reference RMSNorm -> group quant in a compiled model becomes our fused op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tvm_rmsquant import fusion, select
+
+from models import LlamaConfig, LlamaVLConfig, TinyLlama, TinyLlamaVL
+
+#: Each model's norm -> quant sites: layer 0's input norm (no residual) and three residual ones.
+EXPECTED_FUSED = 4
+#: Inductor otherwise skips the contract's intermediate bf16 roundings in the unfused model.
+OPTIONS = {"emulate_precision_casts": True}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiles():
+    """The pass records what it fused only when Inductor runs it, not on a cache hit."""
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+
+
+def _model(kind: str, device):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return TinyLlama(LlamaConfig(), device), (torch.randint(0, 512, (16,), device=device),)
+    return TinyLlamaVL(LlamaVLConfig(), device), (torch.randn(4, 192, device=device).bfloat16(), torch.randint(0, 512, (12,), device=device))
+
+
+def _assert_codes_match(got, want):
+    """fp8 codes equal except rare flips from last-bit fp32 rounding (at most 1 in 1000).
+
+    Not yet asserted: that each flip is one fp8 step. The VL model on CPU has one code,
+    in a later site, off by more; its cause (upstream Inductor-vs-eager drift) is unchecked.
+    """
+    for a, b in zip(got, want):
+        assert (a.view(torch.uint8) != b.view(torch.uint8)).float().mean() <= 1e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind", ["llama", "vl"])
+def test_every_norm_quant_site_is_fused_in_one_graph_and_matches_the_unfused_model(kind, device):
+    model, inputs = _model(kind, device)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = fusion.compile(model, fullgraph=True, options=OPTIONS)
+        logits, codes = compiled(*inputs)
+        torch._dynamo.reset()
+        want_logits, want_codes = torch.compile(model, fullgraph=True, options=OPTIONS)(*inputs)
+        eager_logits, eager_codes = model(*inputs)
+    assert compiled.fusion_pass.graphs == [EXPECTED_FUSED]
+    _assert_codes_match(codes, want_codes)
+    _assert_codes_match(codes, eager_codes)
+    torch.testing.assert_close(logits.float(), want_logits.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_only_init_time_choices_are_fused():
+    """A layer whose kernel is not handed to the pass, or a spec the model does not use, fuses nothing."""
+    model, inputs = _model("llama", "cpu")
+    kernels = fusion.kernels_of(model)
+    assert len(kernels) == EXPECTED_FUSED
+    plain_only = [kernel for kernel in kernels if not kernel.spec.residual]
+    other_group = [select(1024, torch.bfloat16, 64, residual=True, consumer="triton", device="cpu")]
+    for chosen, expected in ((plain_only, 1), (other_group, 0)):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            compiled = fusion.compile(model, kernels=chosen, fullgraph=True, options=OPTIONS)
+            _, codes = compiled(*inputs)
+            _, eager_codes = model(*inputs)
+        assert compiled.fusion_pass.graphs == [expected]
+        _assert_codes_match(codes, eager_codes)
+
+
+def test_the_cache_key_names_the_chosen_variants():
+    a = fusion.FusionPass([select(1024, torch.bfloat16, consumer="triton", device="cpu")])
+    b = fusion.FusionPass([select(1024, torch.bfloat16, consumer="deepgemm_sm90", device="cpu")])
+    assert a.uuid() != b.uuid() and a.uuid() == fusion.FusionPass([select(1024, torch.bfloat16, consumer="triton", device="cpu")]).uuid()
+
+
+def test_compile_refuses_a_second_post_grad_pass():
+    model, _ = _model("llama", "cpu")
+    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
+        fusion.compile(model, options={"post_grad_custom_post_pass": object()})
