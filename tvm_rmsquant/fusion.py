@@ -26,7 +26,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 
-from . import ops, reference
+from . import launch, ops, reference
 from .dispatch import BoundKernel
 from .spec import VariantSpec
 
@@ -66,36 +66,30 @@ def _register(patterns, spec: VariantSpec, variant: str) -> None:
         x = match.kwargs["x"].meta["val"]
         return x.dim() == 2 and x.shape[1] == spec.hidden and x.dtype == dtype
 
+    # The kernel's inputs, in launch order (x, [residual], weight, [scale_ub], eps): the
+    # pattern matcher binds a match's inputs by parameter name.
+    names = [name for name, _ in launch.parameters(spec)]
+    names = names[: names.index("eps") + 1]
+
     def search(*args):
-        x, residual, weight, scale_ub, eps = _unpack(spec, args)
-        y, residual_out = reference.rms_norm(x, weight, eps, residual)
-        q, scales = reference.group_quant(y, spec, scale_ub)
-        return (q, scales) if residual is None else (q, scales, residual_out)
+        named = dict(zip(names, args))
+        y, residual_out = reference.rms_norm(named["x"], named["weight"], named["eps"], named.get("residual"))
+        q, scales = reference.group_quant(y, spec, named.get("scale_ub"))
+        return (q, scales) if residual_out is None else (q, scales, residual_out)
 
     def replace(*args):
-        x, residual, weight, scale_ub, eps = _unpack(spec, args)
-        if residual is None:
+        named = dict(zip(names, args))
+        x, weight, eps, scale_ub = named["x"], named["weight"], named["eps"], named.get("scale_ub")
+        if not spec.residual:
             return ops.rms_norm_group_quant(x, weight, eps, variant, scale_ub)
-        return ops.add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub)
+        return ops.add_rms_norm_group_quant(x, named["residual"], weight, eps, variant, scale_ub)
 
-    # The pattern matcher binds a match's inputs by parameter name.
-    names = ["x"] + (["residual"] if spec.residual else []) + ["weight"] + (["scale_ub"] if spec.scale_ub else []) + ["eps"]
     signature = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
     search.__signature__ = replace.__signature__ = signature
     # Distinct tensors: tracing would merge one tensor passed as both x and residual.
     rows = [torch.empty(_TRACE_ROWS, spec.hidden, dtype=dtype) for _ in range(1 + spec.residual)]
     example = rows + [weight] + ([torch.empty(1)] if spec.scale_ub else [])
     register_replacement(search, replace, example, _trace, patterns, extra_check=matches_spec, scalar_workaround={"eps": 1e-6})
-
-
-def _unpack(spec: VariantSpec, args):
-    """(x, residual, weight, scale_ub, eps) from the pattern's arguments, None where absent."""
-    args = list(args)
-    x = args.pop(0)
-    residual = args.pop(0) if spec.residual else None
-    weight = args.pop(0)
-    scale_ub = args.pop(0) if spec.scale_ub else None
-    return x, residual, weight, scale_ub, args.pop(0)
 
 
 class FusionPass(CustomGraphPass):
