@@ -30,19 +30,23 @@ def _model(kind: str, device):
 
 
 def _assert_codes_match(got, want):
-    """fp8 codes equal except rare flips from last-bit fp32 rounding (at most 1 in 1000).
-
-    Not yet asserted: that each flip is one fp8 step. The VL model on CPU has one code,
-    in a later site, off by more; its cause (upstream Inductor-vs-eager drift) is unchecked.
-    """
+    """fp8 codes equal except rare flips from last-bit fp32 rounding: at most 1 in 1000, each one fp8 step."""
     for a, b in zip(got, want):
-        assert (a.view(torch.uint8) != b.view(torch.uint8)).float().mean() <= 1e-3
+        a8, b8 = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+        differ = a8 != b8
+        assert differ.float().mean() <= 1e-3
+        assert ((a8 - b8)[differ].abs() <= 1).all(), "a code differs by more than one fp8 step"
 
 
-@pytest.mark.xfail(strict=False, reason="open (issue 8): in the full suite up to 0.24% of codes differ from the unfused model; cause not yet found")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["llama", "vl"])
 def test_every_norm_quant_site_is_fused_in_one_graph_and_matches_the_unfused_model(kind, device):
+    """Against the unfused *compiled* model, which computes each site's input the same way.
+
+    Not against eager: Inductor's own kernels drift from eager in later layers (the VL
+    model's last site, unfused and compiled, differs from eager in 2.3% of codes on CPU),
+    which says nothing about the pass; the op's eager equality is tested op by op.
+    """
     model, inputs = _model(kind, device)
     torch._dynamo.reset()
     with torch.no_grad():
@@ -50,10 +54,8 @@ def test_every_norm_quant_site_is_fused_in_one_graph_and_matches_the_unfused_mod
         logits, codes = compiled(*inputs)
         torch._dynamo.reset()
         want_logits, want_codes = torch.compile(model, fullgraph=True, options=OPTIONS)(*inputs)
-        eager_logits, eager_codes = model(*inputs)
     assert compiled.fusion_pass.graphs == [EXPECTED_FUSED]
     _assert_codes_match(codes, want_codes)
-    _assert_codes_match(codes, eager_codes)
     torch.testing.assert_close(logits.float(), want_logits.float(), atol=2e-2, rtol=2e-2)
 
 
