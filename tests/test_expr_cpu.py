@@ -7,6 +7,7 @@ The measured match fractions are printed in the terminal summary.
 """
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ tvm = pytest.importorskip("tvm", reason="CPU kernels need the TVM compiler ([bui
 from tvm_rmsquant import cpu, expr, reference  # noqa: E402
 from tvm_rmsquant.checks import compare, random_inputs  # noqa: E402
 from tvm_rmsquant.selfcheck import run_cpu_kernel  # noqa: E402
-from tvm_rmsquant.spec import VariantSpec  # noqa: E402
+from tvm_rmsquant.spec import MIN_SCALE, VariantSpec  # noqa: E402
 
 ROWS = (0, 1, 3, 17, 256)
 HIDDEN = (128, 1024, 4096, 7168)
@@ -84,6 +85,34 @@ def te_cast(values):
     result = torch.empty(values.shape, dtype=torch.float8_e4m3fn)
     function(values.contiguous(), result)
     return result
+
+
+def test_quotient_is_the_correctly_rounded_division():
+    """y / s from one reciprocal per group is IEEE division, bit for bit, wherever the fp8 code can see it:
+    scales from the floor to 1e35, powers of two (UE8M0), inf and NaN; y across the fp32 range,
+    signed zeros, subnormals and infinities."""
+    from tvm import te
+
+    generator = torch.Generator().manual_seed(0)
+    y = torch.randn(4000, generator=generator) * torch.pow(10.0, torch.randint(-45, 38, (4000,), generator=generator).float())
+    y = torch.cat([y, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 448.0, -448.0, 3.3895e38, float("inf"), float("-inf"), float("nan")])])
+    s = torch.exp(torch.empty(600).uniform_(math.log(MIN_SCALE), math.log(1e35), generator=generator))
+    s = torch.cat([s, torch.tensor([MIN_SCALE, 1.0, 2.0**-17, 2.0**100, float("inf"), float("nan")])])
+    y, s = (grid.reshape(-1).contiguous() for grid in torch.meshgrid(y, s, indexing="ij"))
+    n = te.var("n")
+    numerator, denominator = te.placeholder((n,), "float32", name="y"), te.placeholder((n,), "float32", name="s")
+    out = te.compute((n,), lambda i: expr.quotient(numerator[i], denominator[i]), name="out")
+    function = tvm.compile(te.create_prim_func([numerator, denominator, out]), target="llvm")["main"]
+    result = torch.empty_like(y)
+    function(y, s, result)
+    want = y / s
+    assert torch.equal(result.isnan(), want.isnan())
+    # Below 2^-100 the remainder can underflow, but |y / s| < 2^-82 is an fp8 zero of y's sign either way.
+    exact = ~want.isnan() & (y.abs() >= 2.0**-100)
+    different = exact & (result.view(torch.int32) != want.view(torch.int32))
+    assert not bool(different.any()), list(zip(y[different][:4].tolist(), s[different][:4].tolist()))
+    tiny = ~want.isnan() & ~exact
+    assert torch.equal(result[tiny].to(torch.float8_e4m3fn).view(torch.uint8), want[tiny].to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def test_portable_bf16_rounding_matches_torch():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from tvm_rmsquant import fusion, select
 
-from models import LlamaConfig, LlamaVLConfig, TinyLlama, TinyLlamaVL
+from models import LlamaConfig, LlamaVLConfig, NormQuant, TinyLlama, TinyLlamaVL
 
 #: Each model's norm -> quant sites: layer 0's input norm (no residual) and three residual ones.
 EXPECTED_FUSED = 4
@@ -41,11 +43,13 @@ def _assert_codes_match(got, want):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["llama", "vl"])
 def test_every_norm_quant_site_is_fused_in_one_graph_and_matches_the_unfused_model(kind, device):
-    """Against the unfused *compiled* model, which computes each site's input the same way.
+    """Against the unfused model compiled by Inductor with its norm -> quant sites left eager.
 
-    Not against eager: Inductor's own kernels drift from eager in later layers (the VL
-    model's last site, unfused and compiled, differs from eager in 2.3% of codes on CPU),
-    which says nothing about the pass; the op's eager equality is tested op by op.
+    Not against eager alone: Inductor's own kernels drift from eager in later layers (the
+    VL model's last site, unfused and compiled, differs from eager in 2.3% of codes on
+    CPU), which says nothing about the pass. Not against the whole unfused model compiled:
+    torch 2.11's Inductor on CUDA drops the contract's bf16 round trips there (3% of codes
+    differ, docs/perf.md), so the sites run the reference ops eagerly and the rest compiles.
     """
     model, inputs = _model(kind, device)
     torch._dynamo.reset()
@@ -53,7 +57,8 @@ def test_every_norm_quant_site_is_fused_in_one_graph_and_matches_the_unfused_mod
         compiled = fusion.compile(model, fullgraph=True, options=OPTIONS)
         logits, codes = compiled(*inputs)
         torch._dynamo.reset()
-        want_logits, want_codes = torch.compile(model, fullgraph=True, options=OPTIONS)(*inputs)
+        with mock.patch.object(NormQuant, "forward", torch.compiler.disable(NormQuant.forward)):
+            want_logits, want_codes = torch.compile(model, options=OPTIONS)(*inputs)
     assert compiled.fusion_pass.graphs == [EXPECTED_FUSED]
     _assert_codes_match(codes, want_codes)
     torch.testing.assert_close(logits.float(), want_logits.float(), atol=2e-2, rtol=2e-2)
@@ -82,7 +87,7 @@ def test_the_cache_key_names_the_chosen_variants():
     assert a.uuid() != b.uuid() and a.uuid() == fusion.FusionPass([select(1024, torch.bfloat16, consumer="triton", device="cpu")]).uuid()
 
 
-def test_compile_refuses_a_second_post_grad_pass():
+def test_compile_refuses_a_second_joint_graph_pass():
     model, _ = _model("llama", "cpu")
-    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
-        fusion.compile(model, options={"post_grad_custom_post_pass": object()})
+    with pytest.raises(ValueError, match="joint_custom_pre_pass"):
+        fusion.compile(model, options={"joint_custom_pre_pass": object()})

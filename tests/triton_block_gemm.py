@@ -29,7 +29,8 @@ def _block_fp8_gemm(
         a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=rows[:, None] < M, other=0.0)
         b = tl.load(b_ptr + cols[:, None] * K + k[None, :], mask=cols[:, None] < N, other=0.0)
         a_scale = tl.load(a_scale_ptr + rows * a_scale_stride_m + kb * a_scale_stride_k, mask=rows < M, other=0.0)
-        b_scale = tl.load(b_scale_ptr + (tl.program_id(1) * BLOCK_N // BLOCK) * b_scale_stride_n + kb * b_scale_stride_k)
+        # BLOCK_N is the weight's 128-wide scale block: program n reads block row n.
+        b_scale = tl.load(b_scale_ptr + tl.program_id(1) * b_scale_stride_n + kb * b_scale_stride_k)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=(rows[:, None] < M) & (cols[None, :] < N))
 

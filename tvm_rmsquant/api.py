@@ -23,9 +23,9 @@ def _resolve(spec: VariantSpec, device_type: str, weight_dtype: torch.dtype) -> 
     if weight_dtype != TORCH_DTYPES[spec.dtype]:
         reason = f"the weight is {weight_dtype} and x {TORCH_DTYPES[spec.dtype]}; kernels take one dtype"
         logger.warning("tvm_rmsquant: %s; using the torch reference for %s", reason, spec.name)
-        return BoundKernel(spec, None, [Candidate(spec.name, False, reason)])
+        return BoundKernel(spec, None, [Candidate(spec.name, False, reason)], device_type=device_type)
     if device_type != "cuda":
-        return BoundKernel(spec, spec.name, [Candidate(spec.name, True, "CPU op")])
+        return BoundKernel(spec, spec.name, [Candidate(spec.name, True, "CPU op")], device_type=device_type)
     try:
         bundle = open_bundle()
     except BundleError as error:

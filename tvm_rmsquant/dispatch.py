@@ -52,6 +52,9 @@ class BoundKernel:
     variant: Optional[str]
     why: List[Candidate]
     kernel: Optional[ops.Kernel] = dataclasses.field(default=None, repr=False)
+    #: Where the variant was chosen to run: the fusion pass traces its pattern there
+    #: (the reference's scale allocation names its device).
+    device_type: str = "cuda"
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None, scale_ub=None):
         """(q, scales) for x [..., K]; ``residual`` (if the variant has one) is updated in place."""
@@ -166,8 +169,8 @@ def select(
     if chosen is None:
         logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
-        return BoundKernel(spec=spec, variant=None, why=why)
-    bound = BoundKernel(spec=chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen, variant=chosen.name, why=why)
+        return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type)
+    bound = BoundKernel(spec=chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen, variant=chosen.name, why=why, device_type=device.type)
     if device.type == "cuda":
         bound.kernel = ops.kernel(chosen.name, device)
     return bound

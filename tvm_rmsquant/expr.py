@@ -13,7 +13,7 @@ Stages, by block name (schedules find them by these names and never restate the 
     y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))
     absmax     max over each group of bits(|y|)        NaN-propagating, see below
     scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0; NaN if ub <= 0
-    q          float8_e4m3fn(clamp(y / scale, -448, 448))
+    q          float8_e4m3fn(clamp(y / scale, -448, 448)), y / scale correctly rounded (``quotient``)
     scales     the scale write: ``scale`` itself, or the packed UE8M0 words
 
 The group absmax is reduced on the IEEE bit pattern of |y| as int32: for non-negative
@@ -36,6 +36,7 @@ from tvm import te, tirx
 from .spec import FP8_MAX, MIN_SCALE, VariantSpec
 
 F32 = "float32"
+FLT_MAX = 3.4028234663852886e38  # not inf, not NaN: |e| <= FLT_MAX is "e is finite"
 #: Scalar symbol that binds the TMA-padded row count from the col-layout tensor's stride.
 PADDED_ROWS = "m_pad"
 
@@ -69,6 +70,30 @@ def _clamp(value, low, high):
 
 def _u32(value: int):
     return tirx.const(value, "uint32")
+
+
+def _fma(a, b, c):
+    """a * b + c with one rounding (``tirx.fma`` is not fused on llvm; ``fmaf`` is, on both targets)."""
+    return tirx.call_pure_extern(F32, "fmaf", a, b, c)
+
+
+def quotient(y, s):
+    """RN(y / s) from one reciprocal per group instead of one IEEE division per element.
+
+    ``r = RN(1 / s)`` is the same for a group's elements, so the compiler computes it once.
+    Markstein's theorem: with r correctly rounded and ``q0 = RN(y r)`` within an ulp of y / s,
+    the remainder ``e = y - q0 s`` is exact in one fma and ``RN(q0 + e r) = RN(y / s)``.
+    Where e is 0 or not finite, q0 already is the answer: y = +-0 (keeping its sign), s = inf,
+    y = inf, or y r overflowing under a scale_ub cap (inf either way, clamped to 448). For
+    |y| < 2^-100 the remainder may underflow and the last bit differ, but |y / s| < 2^-82
+    is an fp8 zero of y's sign either way (s >= 1 / (448 * 512)).
+    """
+
+    def correct(r):
+        return _let("q0", y * r, lambda q0: _let("e", _fma(-q0, s, y), lambda e: tirx.Select(
+            tirx.And(e != _f32(0.0), tirx.abs(e) <= _f32(FLT_MAX)), _fma(e, r, q0), q0)))
+
+    return _let("r", _f32(1.0) / s, correct)
 
 
 def e4m3fn_bits(value):
@@ -176,8 +201,12 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
         return value.astype(dtype).astype(F32)
 
     def normalize(m, g, j):
-        normed = round_to_dtype(h[m, g, j] * rms[m])
-        return round_to_dtype(normed * weight[g, j].astype(F32))
+        if portable_casts or dtype == F32:
+            normed = round_to_dtype(h[m, g, j] * rms[m])
+            return round_to_dtype(normed * weight[g, j].astype(F32))
+        # A product of two 16-bit floats is exact in fp32, so rounding it to dtype is the
+        # 16-bit multiply itself (one HMUL on CUDA instead of two conversions and an FMUL).
+        return ((h[m, g, j] * rms[m]).astype(dtype) * weight[g, j]).astype(F32)
 
     y = te.compute(shape, normalize, name="y")
 
@@ -200,9 +229,10 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     scale = te.compute((rows, groups), group_scale, name="scale")
 
     def quantize(m, g, j):
-        value = _let("v", y[m, g, j] / scale[m, g], lambda v: _clamp(v, _f32(-FP8_MAX), _f32(FP8_MAX)))
+        value = quotient(y[m, g, j], scale[m, g])
         if portable_casts:
-            return _let("c", value, e4m3fn_bits)
+            return _let("c", _let("v", value, lambda v: _clamp(v, _f32(-FP8_MAX), _f32(FP8_MAX))), e4m3fn_bits)
+        # CUDA's float -> e4m3 conversion is saturating (cvt.rn.satfinite): it is the clamp.
         return value.astype(spec.out_dtype)
 
     q = te.compute(shape, quantize, name="q")

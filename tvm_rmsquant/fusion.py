@@ -2,9 +2,10 @@
 
 A model written with the plain torch reference ops (``reference.rms_norm`` then
 ``reference.group_quant``, the contract's own spelling) compiles, unfused, into separate
-Inductor kernels that read each row several times. This pass is an Inductor post-grad
-pass: it matches that pair in the functionalized aten graph and replaces it with one
-``tvm_rmsquant`` op.
+Inductor kernels that read each row several times. This pass is an Inductor joint-graph
+pre-pass: it matches that pair in the functionalized aten graph and replaces it with one
+``tvm_rmsquant`` op. It runs before Inductor's own simplifications, which may fold the
+contract's bf16 round trips away (torch 2.11 does on CUDA), so it sees the ops as written.
 
 Which variant replaces a match is never decided here: each pattern comes from a kernel
 that ``tvm_rmsquant.select`` chose at model init (``FusionPass(kernels)``, or
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from typing import Dict, Iterable, List, Optional
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -34,6 +36,8 @@ from .spec import VariantSpec
 FUSED_OPS = (ops.rms_norm_group_quant.default, ops.add_rms_norm_group_quant.default)
 #: Rows of the example inputs the patterns are traced with; the match is re-checked at real shapes.
 _TRACE_ROWS = 8
+#: This module's source, part of Inductor's cache key for the pass.
+_SOURCE = Path(__file__).read_bytes()
 
 
 def kernels_of(model: torch.nn.Module) -> List[BoundKernel]:
@@ -49,18 +53,14 @@ def count_fused(graph: torch.fx.Graph) -> int:
 
 
 def _trace(fn, args, **kwargs):
-    """``fwd_only``, then the normalization the post-grad graph has had: functional, reshape for view."""
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
-
-    graph_module = fwd_only(torch.func.functionalize(fn), args, **kwargs)
-    view_to_reshape(graph_module)
-    return graph_module
+    """``fwd_only`` of the functionalized pattern: the form of the joint graph the pass sees."""
+    return fwd_only(torch.func.functionalize(fn), args, **kwargs)
 
 
-def _register(patterns, spec: VariantSpec, variant: str) -> None:
-    """One replacement: the reference norm + quant of ``spec`` -> the fused op ``variant``."""
+def _register(patterns, spec: VariantSpec, variant: str, device_type: str) -> None:
+    """One replacement: the reference norm + quant of ``spec`` on ``device_type`` -> the fused op ``variant``."""
     dtype = reference.TORCH_DTYPES[spec.dtype]
-    weight = torch.empty(spec.hidden, dtype=dtype)
+    weight = torch.empty(spec.hidden, dtype=dtype, device=device_type)
 
     def matches_spec(match) -> bool:
         x = match.kwargs["x"].meta["val"]
@@ -87,28 +87,28 @@ def _register(patterns, spec: VariantSpec, variant: str) -> None:
     signature = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
     search.__signature__ = replace.__signature__ = signature
     # Distinct tensors: tracing would merge one tensor passed as both x and residual.
-    rows = [torch.empty(_TRACE_ROWS, spec.hidden, dtype=dtype) for _ in range(1 + spec.residual)]
-    example = rows + [weight] + ([torch.empty(1)] if spec.scale_ub else [])
+    rows = [torch.empty(_TRACE_ROWS, spec.hidden, dtype=dtype, device=device_type) for _ in range(1 + spec.residual)]
+    example = rows + [weight] + ([torch.empty(1, device=device_type)] if spec.scale_ub else [])
     register_replacement(search, replace, example, _trace, patterns, extra_check=matches_spec, scalar_workaround={"eps": 1e-6})
 
 
 class FusionPass(CustomGraphPass):
-    """Inductor post-grad pass holding one replacement per init-time kernel choice.
+    """Inductor joint-graph pre-pass holding one replacement per init-time kernel choice.
 
     ``graphs`` records, per graph the pass ran on, how many fused ops it holds afterwards.
     """
 
     def __init__(self, kernels: Iterable[BoundKernel]):
-        self.variants: Dict[VariantSpec, str] = {}
+        self.variants: Dict[Tuple[VariantSpec, str], str] = {}
         for bound in kernels:
             if bound.variant is None:
                 continue  # the layer's init-time choice was the torch reference
-            chosen = self.variants.setdefault(bound.spec, bound.variant)
+            chosen = self.variants.setdefault((bound.spec, bound.device_type), bound.variant)
             if chosen != bound.variant:
                 raise ValueError(f"two kernels were chosen for {bound.spec.name}: {chosen} and {bound.variant}; select() once per spec and bundle")
         self.patterns = PatternMatcherPass(pass_name="tvm_rmsquant_fusion")
-        for spec, variant in self.variants.items():
-            _register(self.patterns, spec, variant)
+        for (spec, device_type), variant in self.variants.items():
+            _register(self.patterns, spec, variant, device_type)
         self.graphs: List[int] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -118,9 +118,8 @@ class FusionPass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         """Inductor's cache key: this module's source and the chosen variants."""
-        with open(__file__, "rb") as source:
-            digest = hashlib.sha256(source.read())
-        digest.update(repr(sorted((spec.name, variant) for spec, variant in self.variants.items())).encode())
+        digest = hashlib.sha256(_SOURCE)
+        digest.update(repr(sorted((spec.name, device_type, variant) for (spec, device_type), variant in self.variants.items())).encode())
         return digest.digest()
 
 
@@ -131,9 +130,9 @@ def compile(model: torch.nn.Module, kernels: Optional[Iterable[BoundKernel]] = N
     """
     fusion_pass = FusionPass(kernels_of(model) if kernels is None else kernels)
     options = dict(options or {})
-    if options.get("post_grad_custom_post_pass") is not None:
-        raise ValueError("options['post_grad_custom_post_pass'] is already set; compose the passes into one and pass kernels=")
-    options["post_grad_custom_post_pass"] = fusion_pass
+    if options.get("joint_custom_pre_pass") is not None:
+        raise ValueError("options['joint_custom_pre_pass'] is already set; compose the passes into one and pass kernels=")
+    options["joint_custom_pre_pass"] = fusion_pass
     compiled = torch.compile(model, options=options, **compile_kwargs)
     compiled.fusion_pass = fusion_pass
     return compiled

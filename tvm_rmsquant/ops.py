@@ -94,7 +94,7 @@ class Kernel:
         """
         if not 0.0 < eps < math.inf:
             raise ValueError(f"eps={eps!r} must be a positive finite number, such as 1e-6")
-        if not self.checks_natively or (residual is None) == self.residual or (scale_ub is None) == self.scale_ub:
+        if not self.checks_natively or x.dim() != 2 or (residual is None) == self.residual or (scale_ub is None) == self.scale_ub:
             _check(self.spec, x, weight, residual, scale_ub)
         if not x.is_contiguous():
             if x.stride(-1) != 1:
