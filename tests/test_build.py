@@ -50,7 +50,9 @@ def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
     for spec in SPECS:
         entry = bundle.entry(spec.name)
         assert VariantSpec.from_json(entry["spec"]) == spec
-        assert entry["ptxas"]["registers"] > 0 and entry["ptxas"]["spill_stores"] == 0
+        # ptxas holds the residual variants at 80 registers with a 4-byte spill, the
+        # configuration measured on the H200 (docs/perf.md, version 3); the rest spill nothing.
+        assert entry["ptxas"]["registers"] > 0 and entry["ptxas"]["spill_stores"] <= (4 if spec.residual else 0)
         source = (bundle.path / manifest["libraries"][entry["library"]]["source"]).read_text()
         assert entry["kernel"] == f"{spec.name}_grouped_kernel" and source.count(entry["kernel"]) >= 2
         assert f"__tvm_ffi_{spec.name}(" in source  # the public [M, K] entry point
