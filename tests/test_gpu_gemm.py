@@ -2,11 +2,13 @@
 
 Col fp32 scales go to ``torch.nn.functional.scaled_mm`` (cuBLAS, BlockWise1x128 for the
 activations, BlockWise128x128 for the weight); row fp32 scales go to a Triton block-FP8
-GEMM written here. torch 2.11's scaled_mm takes 1x128 scales with strides exactly (1, M)
-and cuBLAS refuses M % 4 != 0 even then (measured on the H200 at M = 1, 3, 7, 255:
-CUBLAS_STATUS_NOT_SUPPORTED), so the col layout's TMA padding to a multiple of 4 rows is
-exactly what cuBLAS needs wherever it runs at all; the tests use M % 4 == 0. Each result is compared with a bf16 matmul of the normalized
+GEMM written here. Each result is compared with a bf16 matmul of the normalized
 activations; the quantization error must match the torch reference path's within 1%.
+
+torch 2.11's scaled_mm takes 1x128 scales with strides exactly (1, M), and cuBLAS refuses
+M % 4 != 0 even then (measured on the H200 at M = 1, 3, 7, 255: CUBLAS_STATUS_NOT_SUPPORTED),
+so the col layout's TMA padding to a multiple of 4 rows is exactly what cuBLAS needs wherever
+it runs at all; the tests use M % 4 == 0.
 """
 
 from __future__ import annotations

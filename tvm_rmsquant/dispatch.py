@@ -58,9 +58,6 @@ class BoundKernel:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None, scale_ub=None):
         """(q, scales) for x [..., K]; ``residual`` (if the variant has one) is updated in place."""
-        kernel = self.kernel
-        if kernel is not None and x.dim() == 2 and not torch.compiler.is_compiling():
-            return kernel(x, weight, eps, residual=residual, scale_ub=scale_ub)  # the eager hot path
         flat, residual_flat = x, residual
         if x.dim() != 2:
             flat = x.reshape(-1, x.shape[-1])

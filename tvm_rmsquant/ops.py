@@ -61,8 +61,7 @@ class Kernel:
     ``function`` follows ``tvm_rmsquant.launch`` (a bundle's CUDA kernel, the llvm build,
     or the reference). On CUDA a call allocates q and the scales and makes one tvm-ffi
     call: the entry point checks the arguments, views rows by groups and skips M = 0 in
-    C++, so the Python side of a call is two allocations and a few flag tests (issue 4's
-    host-overhead bar; see docs/perf.md).
+    C++, which keeps the per-call Python work to a few attribute reads.
     """
 
     def __init__(self, spec: VariantSpec, function, checks_natively: bool):
@@ -70,54 +69,46 @@ class Kernel:
         self.function = function
         #: A bundle entry point checks dtypes, shapes and devices itself (codegen/row_views.cuh).
         self.checks_natively = checks_natively
-        self.residual = spec.residual
-        self.scale_ub = spec.scale_ub
-        self.col = spec.layout == "col"
-        self.packed = spec.format == "ue8m0_packed"
-        self.group = spec.group
-        self.scale_dtype = torch.int32 if self.packed else torch.float32
+        self.dtype = reference.TORCH_DTYPES[spec.dtype]
+        self.scale_dtype = torch.int32 if spec.format == "ue8m0_packed" else torch.float32
 
-    def new_scales(self, rows: int, hidden: int, device) -> torch.Tensor:
-        """``reference.empty_scales`` from precomputed flags (the same layout, tested against it)."""
-        cols = hidden // self.group
-        if self.packed:
-            cols = (cols + 3) // 4
-        if self.col:
-            padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
-            return torch.empty_strided((rows, cols), (1, padded), dtype=self.scale_dtype, device=device)
-        return torch.empty((rows, cols), dtype=self.scale_dtype, device=device)
+    def scales(self, rows: int, hidden: int, device) -> torch.Tensor:
+        """``reference.empty_scales``, without its per-call spec arithmetic."""
+        groups = hidden // self.spec.group
+        cols = (groups + 3) // 4 if self.spec.format == "ue8m0_packed" else groups
+        if self.spec.layout == "row":
+            return torch.empty((rows, cols), dtype=self.scale_dtype, device=device)
+        padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
+        return torch.empty_strided((rows, cols), (1, padded), dtype=self.scale_dtype, device=device)
 
     def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None, residual_out=None):
         """(q, scales), written into the given buffers or into new ones.
 
         The updated residual goes to ``residual_out`` when given, else into ``residual`` in place.
         """
+        spec = self.spec
         if not 0.0 < eps < math.inf:
             raise ValueError(f"eps={eps!r} must be a positive finite number, such as 1e-6")
-        if not self.checks_natively or x.dim() != 2 or (residual is None) == self.residual or (scale_ub is None) == self.scale_ub:
-            _check(self.spec, x, weight, residual, scale_ub)
+        if not self.checks_natively or (residual is None) == spec.residual or (scale_ub is None) == spec.scale_ub:
+            _check(spec, x, weight, residual, scale_ub)
         if not x.is_contiguous():
             if x.stride(-1) != 1:
-                _check(self.spec, x, weight, residual, scale_ub)
+                _check(spec, x, weight, residual, scale_ub)
             x = x.contiguous()  # strided rows: the kernel reads compact rows
         if not weight.is_contiguous():
             weight = weight.contiguous()
         if q is None:
             q = torch.empty_like(x, dtype=FP8)
-            rows, hidden = x.shape
-            scales = self.new_scales(rows, hidden, x.device)
+            scales = self.scales(x.shape[0], x.shape[1], x.device)
         if residual is None:
             if scale_ub is None:
                 self.function(x, weight, eps, q, scales)
             else:
                 self.function(x, weight, scale_ub, eps, q, scales)
             return q, scales
-        if residual.is_contiguous():
-            source = residual
-        elif residual.stride(-1) != 1:
+        if residual.stride(-1) != 1:
             raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
-        else:
-            source = residual.contiguous()
+        source = residual if residual.is_contiguous() else residual.contiguous()
         # In place, each residual element is read and then overwritten by the same thread.
         target = source if residual_out is None else residual_out
         if scale_ub is None:
