@@ -2,7 +2,7 @@
 
 A pipeline of plain steps:
 
-    plan        spec -> (rule, knobs), specs grouped into libraries
+    plan        spec -> its schedules (rule, knobs; one per M bucket when tuned), grouped into libraries
     lower       library -> CUDA C++ source        cached on the inputs' content
     compile     source -> .so + ptxas figures     cached on the source and toolchain
     publish     stage a bundle, then switch ``CURRENT`` to it atomically
@@ -45,12 +45,36 @@ _SOURCE_ROOTS = {
 
 @dataclasses.dataclass(frozen=True)
 class PlannedVariant:
+    """One kernel: ``spec`` scheduled by ``rule`` with ``knobs``, exported as ``symbol``.
+
+    ``max_rows`` makes it the spec's kernel for M <= max_rows only (None: every other M).
+    A tuning ``candidate`` is listed for measurement and never dispatched to.
+    """
+
     spec: VariantSpec
     rule: str
     knobs: Tuple[Tuple[str, int], ...]
+    symbol: str
+    max_rows: Optional[int] = None
+    candidate: bool = False
 
     def as_lowering_input(self):
-        return self.spec, self.rule, dict(self.knobs)
+        return self.spec, self.rule, dict(self.knobs), self.symbol
+
+    def manifest_entry(self, library: str, figures: Dict) -> Dict:
+        kernel = f"{launch.grouped_symbol(self.symbol)}_kernel"
+        if kernel not in figures:
+            raise nvcc_step.NvccError(f"ptxas reported no figures for kernel {kernel} of {library}; found {sorted(figures)[:4]}…")
+        entry = {
+            "spec": self.spec.to_json(),
+            "rule": self.rule,
+            "knobs": dict(self.knobs),
+            "symbol": self.symbol,
+            "library": library,
+            "kernel": kernel,
+            "ptxas": figures[kernel],
+        }
+        return entry if self.max_rows is None else {**entry, "max_rows": self.max_rows}
 
 
 @dataclasses.dataclass
@@ -109,19 +133,38 @@ def toolchain() -> Dict[str, str]:
 # -- plan -------------------------------------------------------------------------------------
 
 
-def plan(specs: Sequence[VariantSpec], choose=default_schedule) -> Dict[str, List[PlannedVariant]]:
-    """Each spec's schedule, grouped into libraries by (dtype, residual, static/dynamic K)."""
+def plan(specs: Sequence[VariantSpec], choose=default_schedule, tuned=None) -> Dict[str, List[PlannedVariant]]:
+    """Each spec's schedules, grouped into libraries by (dtype, residual, static/dynamic K).
+
+    ``choose(spec)`` gives (rule, knobs); ``tuned(spec, (rule, knobs))``, where given (a
+    tuning database's ``schedules``), replaces that by [(max_rows, rule, knobs), ...]
+    ending with max_rows None.
+    """
     libraries: Dict[str, List[PlannedVariant]] = {}
     for spec in sorted(set(specs), key=lambda spec: spec.name):
-        rule, knobs = choose(spec)
+        chosen = choose(spec)
+        schedules = tuned(spec, chosen) if tuned else [(None, *chosen)]
         name = f"lib_{spec.dtype}_{'res' if spec.residual else 'nores'}_{'dyn' if spec.is_dynamic else 'static'}"
-        libraries.setdefault(name, []).append(PlannedVariant(spec, rule, tuple(sorted(knobs.items()))))
+        for max_rows, rule, knobs in schedules:
+            symbol = spec.name if max_rows is None else f"{spec.name}__m{max_rows}"
+            libraries.setdefault(name, []).append(PlannedVariant(spec, rule, tuple(sorted(knobs.items())), symbol, max_rows))
+    return libraries
+
+
+def plan_candidates(candidates: Dict[VariantSpec, List[Tuple[str, Dict[str, int]]]], per_library: int = 8) -> Dict[str, List[PlannedVariant]]:
+    """Tuning candidates, ``per_library`` to a library so that lowering and nvcc run in parallel."""
+    libraries: Dict[str, List[PlannedVariant]] = {}
+    for spec in sorted(candidates, key=lambda spec: spec.name):
+        for index, (rule, knobs) in enumerate(candidates[spec]):
+            name = f"cand_{spec.name}_{index // per_library}"
+            symbol = f"{spec.name}__t{index:03d}"
+            libraries.setdefault(name, []).append(PlannedVariant(spec, rule, tuple(sorted(knobs.items())), symbol, candidate=True))
     return libraries
 
 
 def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], fingerprint: str) -> str:
     payload = {
-        "variants": [[v.spec.to_json(), v.rule, list(v.knobs)] for v in variants],
+        "variants": [[v.spec.to_json(), v.rule, list(v.knobs), v.symbol] for v in variants],
         "code": fingerprint,
         "tvm": tools["apache-tvm"],
         "tvm_ffi": tools["apache-tvm-ffi"],
@@ -168,15 +211,28 @@ def build(
     jobs: int = 2,
     cache_dir: Optional[Path] = None,
     choose=default_schedule,
+    tuned=None,
     progress: Optional[Callable[[str, int], None]] = None,
+    extra: Optional[Dict] = None,
 ) -> BuildReport:
     """Build ``specs`` into the bundle directory ``out_dir``; see the module docstring."""
+    return build_libraries(plan(specs, choose, tuned), out_dir, jobs, cache_dir, progress, extra)
+
+
+def build_libraries(
+    libraries: Dict[str, List[PlannedVariant]],
+    out_dir: Path,
+    jobs: int = 2,
+    cache_dir: Optional[Path] = None,
+    progress: Optional[Callable[[str, int], None]] = None,
+    extra: Optional[Dict] = None,
+) -> BuildReport:
+    """Lower, compile and publish planned libraries; ``extra`` goes into the manifest as is."""
     started = time.time()
     out_dir, cache_dir = Path(out_dir), Path(cache_dir or default_cache_dir())
     tick = progress or (lambda stage, count: None)
     tools = toolchain()
     fingerprint = code_fingerprint()
-    libraries = plan(specs, choose)
 
     sources: Dict[str, Tuple[Path, str]] = {}
     to_lower = {}
@@ -226,7 +282,7 @@ def build(
                 objects[name] = (library, figures)
                 tick("compile", 1)
 
-    manifest = _manifest(libraries, sources, objects, tools, fingerprint)
+    manifest = {**_manifest(libraries, sources, objects, tools, fingerprint), **(extra or {})}
     published = publish(out_dir, manifest, {name: (sources[name][0], objects[name][0]) for name in libraries})
     return BuildReport(
         bundle=out_dir,
@@ -252,18 +308,15 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
         library, figures = objects[name]
         manifest["libraries"][f"{name}.so"] = {"sha256": sha256_file(library), "source": f"{name}.cu", "source_sha256": source_sha}
         for variant in variants:
-            kernel = f"{launch.grouped_symbol(variant.spec)}_kernel"
-            if kernel not in figures:
-                raise nvcc_step.NvccError(f"ptxas reported no figures for kernel {kernel} of {name}; found {sorted(figures)[:4]}…")
-            manifest["variants"][variant.spec.name] = {
-                "spec": variant.spec.to_json(),
-                "rule": variant.rule,
-                "knobs": dict(variant.knobs),
-                "symbol": variant.spec.name,
-                "library": f"{name}.so",
-                "kernel": kernel,
-                "ptxas": figures[kernel],
-            }
+            entry = variant.manifest_entry(f"{name}.so", figures)
+            if variant.candidate:
+                manifest.setdefault("candidates", {})[variant.symbol] = entry
+            elif variant.max_rows is None:
+                manifest["variants"].setdefault(variant.spec.name, {}).update(entry)
+            else:
+                manifest["variants"].setdefault(variant.spec.name, {}).setdefault("by_rows", []).append(entry)
+    for entry in manifest["variants"].values():
+        entry.get("by_rows", []).sort(key=lambda bucket: bucket["max_rows"])
     return manifest
 
 

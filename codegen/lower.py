@@ -7,6 +7,7 @@ turns into a library needing only libtvm_ffi and libcudart.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Dict, Iterable, Tuple
 
@@ -28,19 +29,34 @@ def cuda_target():
     return tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "cuda_host"})
 
 
-def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]):
-    """The scheduled PrimFunc of one variant, exported under ``grouped_symbol``."""
+def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: str):
+    """The scheduled PrimFunc of one variant, exported under ``grouped_symbol(symbol)``."""
     rule = rule_by_name(rule_name)
     sch = rule.apply(expr.prim_func(spec), spec, knobs)
-    return sch.mod["main"].with_attr("global_symbol", launch.grouped_symbol(spec))
+    return sch.mod["main"].with_attr("global_symbol", launch.grouped_symbol(symbol))
+
+
+def with_min_blocks_per_sm(source: str, kernel: str, blocks: int) -> str:
+    """Give ``kernel``'s ``__launch_bounds__`` the occupancy hint ``blocks`` (0: unchanged).
+
+    TVM writes ``__launch_bounds__(threads)`` from the thread extents; its own
+    min-blocks attribute is read only from TIRx device entries, not from scheduled TIR.
+    """
+    if not blocks:
+        return source
+    pattern = re.compile(rf"__launch_bounds__\((\d+)\) {re.escape(kernel)}\(")
+    source, count = pattern.subn(lambda match: f"__launch_bounds__({match.group(1)}, {blocks}) {kernel}(", source)
+    if not count:
+        raise RuntimeError(f"found no __launch_bounds__ for {kernel} in the generated source")
+    return source
 
 
 #: DLPack (type code, bits) of each input dtype.
 _DLPACK_DTYPES = {"bf16": ("kDLBfloat", 16), "fp16": ("kDLFloat", 16), "fp32": ("kDLFloat", 32)}
 
 
-def entry_point(spec: VariantSpec) -> str:
-    """C++ for ``spec.name``: [M, K] rows and a [K] weight, checked, then viewed by groups in place."""
+def entry_point(spec: VariantSpec, symbol: str) -> str:
+    """C++ for ``symbol``: [M, K] rows and a [K] weight, checked, then viewed by groups in place."""
     params = launch.parameters(spec)
     names = ", ".join(f'"{name}"' for name, _ in params)
     kinds = ", ".join(str(kind) for _, kind in params)
@@ -48,7 +64,6 @@ def entry_point(spec: VariantSpec) -> str:
     code, bits = _DLPACK_DTYPES[spec.dtype]
     hidden = -1 if spec.hidden is None else spec.hidden
     multiple = spec.group * (4 if spec.format == "ue8m0_packed" else 1)
-    symbol = spec.name
     return f"""
 static const char* const {symbol}_names[] = {{{names}}};
 static const int {symbol}_kinds[] = {{{kinds}}};
@@ -57,19 +72,23 @@ static const tvm_rmsquant::Contract {symbol}_contract = {{
     "{symbol}", {len(params)}, {symbol}_names, {symbol}_kinds, {symbol}_input_dtype,
     DLDataType{{{code}, {bits}, 1}}, {spec.group}, {hidden}, {multiple}}};
 extern "C" TVM_DLL int32_t __tvm_ffi_{symbol}(void* self, void* args, int32_t num_args, void* result) {{
-  return tvm_rmsquant::call_with_group_views(__tvm_ffi_{launch.grouped_symbol(spec)}, {symbol}_contract, args, num_args, result);
+  return tvm_rmsquant::call_with_group_views(__tvm_ffi_{launch.grouped_symbol(symbol)}, {symbol}_contract, args, num_args, result);
 }}
 """
 
 
-def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int]]]) -> str:
-    """One translation unit: every given variant's kernel, host wrapper and entry point."""
+def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str]]) -> str:
+    """One translation unit: each (spec, rule, knobs, symbol)'s kernel, host wrapper and entry point."""
     variants = list(variants)
-    funcs = {launch.grouped_symbol(spec): schedule(spec, rule_name, knobs) for spec, rule_name, knobs in variants}
+    funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol) for spec, rule, knobs, symbol in variants}
     with tvm.transform.PassContext(config=PASS_CONFIG):
         built = tvm.compile(tvm.IRModule(funcs), target=cuda_target())
-    parts = [tvm.backend.cuda.export_cuda_host(built.mod), ROW_VIEWS.read_text()]
-    parts += [entry_point(spec) for spec, _, _ in variants]
+    kernels = tvm.backend.cuda.export_cuda_host(built.mod)
+    for spec, rule, knobs, symbol in variants:
+        blocks = rule_by_name(rule).min_blocks_per_sm(knobs)
+        kernels = with_min_blocks_per_sm(kernels, f"{launch.grouped_symbol(symbol)}_kernel", blocks)
+    parts = [kernels, ROW_VIEWS.read_text()]
+    parts += [entry_point(spec, symbol) for spec, _, _, symbol in variants]
     return "\n".join(parts)
 
 

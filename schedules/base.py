@@ -4,6 +4,10 @@ A rule looks at a spec and says whether it applies (``check``), what it can tune
 (``space``), what it would pick by hand (``default``), and turns the tensor expression's
 PrimFunc into an ``s_tir.Schedule`` for given knobs (``apply``). Knobs are a plain
 ``{name: int}`` dict, so they serialize into manifests and tuning records as they are.
+
+Every rule also has ``min_blocks_per_sm``, the occupancy hint of CUDA's
+``__launch_bounds__``: ptxas then caps registers so that many blocks fit on an SM
+(0 leaves it unset). It changes no TIR, only the register budget, so codegen applies it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ from typing import Dict, Iterator, List, Optional
 from tvm_rmsquant.spec import VariantSpec
 
 Knobs = Dict[str, int]
+
+#: Values of the ``min_blocks_per_sm`` knob (0: no hint); 1 would equal no hint.
+MIN_BLOCKS_PER_SM = [0, 2, 4, 8, 16]
+#: Resident threads per SM on sm_90.
+THREADS_PER_SM = 2048
 
 
 class ScheduleRule:
@@ -37,6 +46,18 @@ class ScheduleRule:
     def apply(self, func, spec: VariantSpec, knobs: Knobs):
         """Return an ``s_tir.Schedule`` of ``func`` (the spec's PrimFunc) with ``knobs``."""
         raise NotImplementedError
+
+    def min_blocks_per_sm(self, knobs: Knobs) -> int:
+        """The ``__launch_bounds__`` occupancy hint codegen gives the kernel (0: none)."""
+        return knobs.get("min_blocks_per_sm", 0)
+
+    @staticmethod
+    def check_occupancy(threads: int, knobs: Knobs) -> Optional[str]:
+        """Why ``min_blocks_per_sm`` cannot hold for blocks of ``threads``, or None."""
+        blocks = knobs.get("min_blocks_per_sm", 0)
+        if blocks and threads * blocks > THREADS_PER_SM:
+            return f"min_blocks_per_sm={blocks} blocks of {threads} threads exceed the {THREADS_PER_SM} threads of an SM"
+        return None
 
     # -- the search space, shared by every rule -----------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 from tvm_rmsquant.spec import VariantSpec
 
-from .base import Knobs, ScheduleRule
+from .base import MIN_BLOCKS_PER_SM, Knobs, ScheduleRule
 
 #: Packed UE8M0 words hold four groups; the group loop is split by this.
 WORD_GROUPS = 4
@@ -22,7 +22,7 @@ class DynamicRows(ScheduleRule):
     name = "dynamic_rows"
 
     def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
-        return {"vector": [2, 4, 8], "rows_per_block": [1, 2, 4, 8, 16]}
+        return {"vector": [2, 4, 8], "rows_per_block": [1, 2, 4, 8, 16], "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
 
     def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
         vector, rows = knobs["vector"], knobs["rows_per_block"]
@@ -35,10 +35,10 @@ class DynamicRows(ScheduleRule):
             return f"a group of {lanes} lanes must tile a warp"
         if lanes * rows > 1024:
             return f"{lanes * rows} threads per block is more than 1024"
-        return None
+        return self.check_occupancy(lanes * rows, knobs)
 
     def default(self, spec: VariantSpec) -> Optional[Knobs]:
-        knobs = {"vector": 16 // spec.itemsize, "rows_per_block": 8}
+        knobs = {"vector": 16 // spec.itemsize, "rows_per_block": 8, "min_blocks_per_sm": 0}
         return knobs if self.check(spec, knobs) is None else None
 
     def apply(self, func, spec: VariantSpec, knobs: Knobs):

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 from tvm_rmsquant.spec import VariantSpec, num_groups
 
-from .base import Knobs, ScheduleRule
+from .base import MIN_BLOCKS_PER_SM, Knobs, ScheduleRule
 
 MAX_THREADS = 1024
 WARP = 32
@@ -29,7 +29,7 @@ class RowResident(ScheduleRule):
     name = "row_resident"
 
     def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
-        return {"vector": [2, 4, 8], "groups_per_thread": [1, 2, 4, 8, 16]}
+        return {"vector": [2, 4, 8], "groups_per_thread": [1, 2, 4, 8, 16], "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
 
     def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
         if spec.is_dynamic:
@@ -56,7 +56,7 @@ class RowResident(ScheduleRule):
             return f"{per_thread * vector} resident values per thread would spill"
         if spec.format == "ue8m0_packed" and per_thread % 4 and per_thread != groups:
             return "a packed UE8M0 word's four groups must belong to one thread"
-        return None
+        return self.check_occupancy(threads, knobs)
 
     def default(self, spec: VariantSpec) -> Optional[Knobs]:
         if spec.is_dynamic:
@@ -64,7 +64,7 @@ class RowResident(ScheduleRule):
         widest = 16 // spec.itemsize
         for vector in (widest, widest // 2):
             for per_thread in (4, 2, 8, 1, 16):
-                knobs = {"vector": vector, "groups_per_thread": per_thread}
+                knobs = {"vector": vector, "groups_per_thread": per_thread, "min_blocks_per_sm": 0}
                 if self.check(spec, knobs) is None:
                     return knobs
         return None

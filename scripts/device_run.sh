@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (no TVM there): install the carried apache-tvm-ffi wheel,
 # then check and time the bundles built here and carried in artifacts/.
-#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile   (default: all)
+#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile tune   (default: all but tune)
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz.
@@ -48,6 +48,13 @@ for stage in $STAGES; do
       python3 -P -m tvm_rmsquant bench --providers ours,triton --overhead --out /tmp/bench \
         ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} > "$RESULTS/bench.log" 2>&1
       grep -E "ceiling|overhead|WRONG|ERROR|Error" "$RESULTS/bench.log" | head -n 30; tar -czf "$RESULTS/bench.tar.gz" -C /tmp bench ;;
+    tune)
+      # Candidate bundles from `tune build`: checked, then timed; one results JSON each.
+      for bundle in artifacts/tune_*; do
+        echo "== $bundle" >> "$RESULTS/tune.log"
+        python3 -P -m tvm_rmsquant tune measure "$bundle" --out "$RESULTS/$(basename "$bundle").json" >> "$RESULTS/tune.log" 2>&1 || status=1
+      done
+      grep -E "==|ceiling|DROPPED|wrote|Error" "$RESULTS/tune.log" | head -n 40 ;;
     compile)
       python3 -P -m tvm_rmsquant bench --providers ours,triton,torch_compile,torch_eager --hidden 4096,7168 --rows 4096,16384 \
         --out /tmp/compile > "$RESULTS/compile.log" 2>&1

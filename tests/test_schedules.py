@@ -26,9 +26,11 @@ def test_bad_knobs_are_refused_with_the_reason():
     rule = rule_by_name("row_resident")
     spec = VariantSpec("bf16", 7168, 128, layout="col", format="ue8m0_packed")
     with pytest.raises(ValueError, match="four groups must belong to one thread"):
-        rule.validate(spec, {"vector": 8, "groups_per_thread": 2})
+        rule.validate(spec, {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 0})
     with pytest.raises(ValueError, match="no knob"):
-        rule.validate(spec, {"vector": 8, "groups_per_thread": 4, "unroll": 2})
+        rule.validate(spec, {"vector": 8, "groups_per_thread": 4, "min_blocks_per_sm": 0, "unroll": 2})
+    with pytest.raises(ValueError, match=r"needs knob\(s\) \['min_blocks_per_sm'\]"):
+        rule.validate(spec, {"vector": 8, "groups_per_thread": 4})
     # An override the rule cannot take leaves the default in place.
     assert overriding({"groups_per_thread": 2})(spec) == default_schedule(spec)
 

@@ -1,4 +1,4 @@
-"""``python -m tvm_rmsquant``: build, list, inspect and self-check kernel bundles."""
+"""``python -m tvm_rmsquant``: build, list, inspect, self-check, benchmark and tune kernel bundles."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .bundle_format import default_bundle_dir
+from .bundle_format import default_bundle_dir, sha256_file
 
 
 def _parse_hidden(text: str) -> List[int]:
@@ -29,6 +29,15 @@ def _parse_knobs(text: str):
         raise argparse.ArgumentTypeError(f"--knobs={text!r}: expected name=int pairs such as groups_per_thread=8,vector=8") from None
 
 
+def _parse_spec(text: str):
+    from .spec import VariantSpec
+
+    try:
+        return VariantSpec.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--spec={text!r}: {error}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tvm_rmsquant", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("-j", "--jobs", type=int, default=2, help="parallel lowering processes and nvcc invocations")
     build.add_argument("--cache", type=Path, help="build cache directory (default: ~/.cache/tvm_rmsquant)")
     build.add_argument("--knobs", type=_parse_knobs, default={}, help="override schedule knobs where valid, e.g. groups_per_thread=8")
+    tuning = build.add_mutually_exclusive_group()
+    tuning.add_argument("--tuning-db", type=Path, help="tuning database to take measured schedules from (default: the one shipped with the package)")
+    tuning.add_argument("--no-tuning", action="store_true", help="hand-picked schedules only")
+    build.add_argument("--tuning-gpu", help="use only tuning records measured on this GPU, e.g. 'NVIDIA H200'")
 
     listing = commands.add_parser("list", help="variants in a bundle")
     listing.add_argument("--bundle", type=Path)
@@ -59,6 +72,27 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--slow-rows", type=_parse_hidden, help="M values at which torch_eager/torch_compile run (default: all)")
     bench.add_argument("--overhead", action="store_true", help="also measure eager host overhead against torch.add")
     bench.add_argument("--out", type=Path, default=Path("bench-results"))
+
+    tune = commands.add_parser("tune", help="schedule tuning: build candidates (CPU), measure them (GPU), report, record").add_subparsers(dest="tune_command", required=True)
+    tune_build = tune.add_parser("build", help="build a candidate bundle (needs the [build] extra and nvcc)")
+    tune_build.add_argument("--spec", action="append", type=_parse_spec, help="variant name, e.g. bf16_k4096_g128_col_fp32 (repeatable; default: the tuning set)")
+    tune_build.add_argument("--strategy", default="exhaustive", choices=["exhaustive", "random", "evolve"])
+    tune_build.add_argument("--trials", type=int, default=8, help="candidates per spec for random/evolve (the hand-picked one is always added)")
+    tune_build.add_argument("--results", type=Path, help="earlier results JSON that evolve proposes from")
+    tune_build.add_argument("--seed", type=int, default=0)
+    tune_build.add_argument("--out", type=Path, required=True, help="candidate bundle directory")
+    tune_build.add_argument("-j", "--jobs", type=int, default=2)
+    tune_build.add_argument("--cache", type=Path)
+    tune_measure = tune.add_parser("measure", help="check and time a candidate bundle's kernels on the GPU (torch + tvm-ffi only)")
+    tune_measure.add_argument("bundle", type=Path)
+    tune_measure.add_argument("--rows", type=_parse_hidden, help="M values (default: every M bucket's timed values)")
+    tune_measure.add_argument("--out", type=Path, required=True, help="results JSON to write")
+    tune_report = tune.add_parser("report", help="ranking, knob heat-map and best-so-far plots from results")
+    tune_report.add_argument("results", type=Path)
+    tune_report.add_argument("--out", type=Path, default=Path("tune-report"))
+    tune_record = tune.add_parser("record", help="merge the results' best schedule per (spec, M bucket) into a tuning database")
+    tune_record.add_argument("results", type=Path)
+    tune_record.add_argument("--db", type=Path, help="database file (default: the one shipped with the package)")
 
     check = commands.add_parser("self-check", help="CPU check: the tensor expression (llvm) against the torch reference")
     check.add_argument("--hidden", type=_parse_hidden, default=[128, 4096])
@@ -91,17 +125,35 @@ def _build(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .schedules import overriding
+    from .schedules.database import DEFAULT_DATABASE, DatabaseError, TuningDatabase, build_target
 
-    libraries = builder.plan(specs, overriding(args.knobs))
+    tuned, extra = None, {}
+    if not args.no_tuning:
+        path = args.tuning_db or DEFAULT_DATABASE
+        try:
+            database = TuningDatabase.load(path)
+        except DatabaseError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        from .loader import ARCH_CAPABILITY
+
+        tuned, rejected = database.for_build(build_target(builder.toolchain(), ARCH_CAPABILITY[builder.TARGET_ARCH], args.tuning_gpu))
+        names = {spec.name for spec in specs}
+        tuned.records = {key: record for key, record in tuned.records.items() if key[0] in names}
+        print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
+        for reason in rejected:
+            print(f"  rejected {reason}")
+        extra = {"tuning": {"database_sha256": sha256_file(path), "records": sorted(f"{spec} M<={rows}" for spec, rows in tuned.records)}}
+    libraries = builder.plan(specs, overriding(args.knobs), tuned)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
         tasks = {
-            "lower": bar.add_task("lower (TVM)", total=len(specs)),
+            "lower": bar.add_task("lower (TVM)", total=sum(len(variants) for variants in libraries.values())),
             "compile": bar.add_task("compile (nvcc)", total=len(libraries)),
         }
         try:
             report = builder.build(
-                specs, args.out, jobs=args.jobs, cache_dir=args.cache, choose=overriding(args.knobs),
-                progress=lambda stage, n: bar.advance(tasks[stage], n),
+                specs, args.out, jobs=args.jobs, cache_dir=args.cache, choose=overriding(args.knobs), tuned=tuned,
+                progress=lambda stage, n: bar.advance(tasks[stage], n), extra=extra,
             )
         except OSError as error:
             if error.errno == errno.ENOSPC:
@@ -154,6 +206,48 @@ def _bench(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from . import tune
+
+    if args.tune_command == "build":
+        if args.trials < 1 or args.jobs < 1:
+            print(f"error: --trials={args.trials} and -j/--jobs={args.jobs} must be positive integers", file=sys.stderr)
+            return 2
+        if args.strategy == "evolve" and args.results is None:
+            print("error: --strategy=evolve proposes from measured results: pass --results RESULTS.json from `tune measure`", file=sys.stderr)
+            return 2
+        previous = _read_results(args.results) if args.results else None
+        report = tune.build_candidates(args.spec or tune.TUNE_SPECS, args.strategy, args.trials, args.out, args.jobs, args.seed, previous, args.cache)
+        print(report.summary())
+        return 0
+    if args.tune_command == "measure":
+        results = tune.measure_candidates(_open(args.bundle), args.rows or tune.MEASURED_ROWS)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.out}")
+        return 0
+    results = _read_results(args.results)
+    if args.tune_command == "report":
+        tune.report(results, args.out)
+        print(f"wrote {args.out}/summary.json, knob_heatmap.png, best_so_far.png")
+        return 0
+    from .schedules.database import DEFAULT_DATABASE
+
+    database = tune.record(results, args.db or DEFAULT_DATABASE)
+    print(f"{args.db or DEFAULT_DATABASE}: {len(database.records)} records")
+    return 0
+
+
+def _read_results(path: Path):
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise SystemExit(f"error: results {path} cannot be read: {error}")
+    if not isinstance(results, dict) or "candidates" not in results or "target" not in results:
+        raise SystemExit(f"error: {path} is not a `tune measure` results file (it needs 'target' and 'candidates')")
+    return results
+
+
 def _self_check(args) -> int:
     from .selfcheck import run_cpu_self_check
 
@@ -165,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .loader import BundleError
 
     try:
-        return {"build": _build, "list": _list, "inspect": _inspect, "bench": _bench, "self-check": _self_check}[args.command](args)
+        return {"build": _build, "list": _list, "inspect": _inspect, "bench": _bench, "tune": _tune, "self-check": _self_check}[args.command](args)
     except BundleError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -21,9 +21,9 @@ INPUT_DTYPE_ARGS = ("x", "residual", "weight", "residual_out")
 AS_IS, ROWS, WEIGHT = 0, 1, 2
 
 
-def grouped_symbol(spec: VariantSpec) -> str:
-    """The tensor expression's own entry (grouped views); ``spec.name`` is the public one."""
-    return f"{spec.name}_grouped"
+def grouped_symbol(symbol: str) -> str:
+    """The tensor expression's own entry (grouped views) behind the public entry ``symbol``."""
+    return f"{symbol}_grouped"
 
 
 def parameters(spec: VariantSpec) -> List[Tuple[str, int]]:

@@ -1,0 +1,166 @@
+"""The tuning database: the best measured schedule of a spec per M bucket, and where it ran.
+
+Records come from ``python -m tvm_rmsquant tune measure`` on a GPU and are consumed by the
+offline build. A record is used only where its target matches the build: the compute
+capability of the bundle's machine code, and the apache-tvm, apache-tvm-ffi and CUDA
+versions that generate and compile the kernel (and the GPU, when the build names one).
+Anything else is rejected with the reason, never silently used. The driver is recorded
+but not matched: it does not change the generated code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from tvm_rmsquant.spec import VariantSpec
+
+from . import rule_by_name
+from .base import Knobs
+
+SCHEMA_VERSION = 1
+#: The database committed with the package; the build reads it unless told otherwise.
+DEFAULT_DATABASE = Path(__file__).with_name("tuning_db.json")
+#: M buckets as (max_rows, the M values timed for it); the last takes every larger M.
+ROW_BUCKETS: Tuple[Tuple[Optional[int], Tuple[int, ...]], ...] = ((64, (1, 16, 64)), (1024, (256, 1024)), (None, (4096, 16384)))
+#: Target fields that must equal the build's for a record to be used.
+MATCHED_FIELDS = ("compute_capability", "tvm", "tvm_ffi", "cuda")
+TARGET_FIELDS = ("gpu", "compute_capability", "driver", "cuda", "tvm", "tvm_ffi")
+
+
+def cuda_release(nvcc_version: str) -> str:
+    """'13.0' from nvcc's 'Build cuda_13.0.r13.0/compiler...' line."""
+    found = re.search(r"cuda_(\d+\.\d+)", nvcc_version)
+    return found.group(1) if found else nvcc_version
+
+
+def build_target(toolchain: Dict[str, str], capability: Tuple[int, int], gpu: Optional[str] = None) -> Dict[str, str]:
+    """What a record must match to be used by a build with ``toolchain`` (``codegen.bundle.toolchain``)."""
+    return {
+        "compute_capability": f"{capability[0]}.{capability[1]}",
+        "tvm": toolchain["apache-tvm"],
+        "tvm_ffi": toolchain["apache-tvm-ffi"],
+        "cuda": cuda_release(toolchain["nvcc"]),
+        "gpu": gpu,
+    }
+
+
+class DatabaseError(ValueError):
+    """A tuning database file that cannot be read as one."""
+
+
+def bucket_of(rows: int) -> Optional[int]:
+    """The max_rows of the bucket that holds M = ``rows``."""
+    for max_rows, _ in ROW_BUCKETS:
+        if max_rows is None or rows <= max_rows:
+            return max_rows
+    raise AssertionError("the last bucket is open-ended")
+
+
+def bucket_score(microseconds: Dict[int, float], max_rows: Optional[int]) -> float:
+    """Geometric mean time over the bucket's timed M values (NaN if any is missing)."""
+    timed = dict(ROW_BUCKETS)[max_rows]
+    values = [microseconds.get(rows, math.nan) for rows in timed]
+    return math.exp(sum(math.log(value) for value in values) / len(values)) if all(v > 0 for v in values) else math.nan
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    spec: str
+    max_rows: Optional[int]
+    rule: str
+    knobs: Dict[str, int]
+    #: The bucket score (``bucket_score``) of this schedule and of the hand-picked one, same run.
+    microseconds: float
+    default_microseconds: float
+    target: Dict[str, str]
+
+    def key(self) -> Tuple[str, Optional[int]]:
+        return self.spec, self.max_rows
+
+    def mismatch(self, build_target: Dict[str, str]) -> Optional[str]:
+        """Why this record cannot be used by a build for ``build_target``, or None."""
+        for field in MATCHED_FIELDS + (("gpu",) if build_target.get("gpu") else ()):
+            if str(self.target.get(field)) != str(build_target[field]):
+                return f"measured with {field}={self.target.get(field)!r}, the build has {build_target[field]!r}"
+        spec = VariantSpec.parse(self.spec)
+        try:
+            reason = rule_by_name(self.rule).check(spec, self.knobs)
+        except (ValueError, KeyError) as error:
+            reason = str(error)
+        return None if reason is None else f"rule {self.rule!r} refuses knobs {self.knobs}: {reason}"
+
+
+@dataclasses.dataclass
+class TuningDatabase:
+    records: List[Record]
+    path: Optional[Path] = None
+
+    @classmethod
+    def load(cls, path: Path) -> "TuningDatabase":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DatabaseError(f"tuning database {path} does not exist; pass an existing file or --no-tuning") from None
+        except json.JSONDecodeError as error:
+            raise DatabaseError(f"tuning database {path} is not valid JSON: {error}") from None
+        if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
+            raise DatabaseError(f"tuning database {path}: schema_version={raw.get('schema_version') if isinstance(raw, dict) else None!r}, expected {SCHEMA_VERSION}")
+        try:
+            records = [Record(**item) for item in raw["records"]]
+        except (KeyError, TypeError) as error:
+            raise DatabaseError(f"tuning database {path}: a record is malformed ({error}); fields are {[f.name for f in dataclasses.fields(Record)]}") from None
+        return cls(records, path)
+
+    def save(self, path: Path) -> None:
+        """Write atomically, records sorted, so the committed file diffs cleanly."""
+        path = Path(path)
+        ordered = sorted(self.records, key=lambda r: (r.spec, math.inf if r.max_rows is None else r.max_rows))
+        body = json.dumps({"schema_version": SCHEMA_VERSION, "records": [dataclasses.asdict(r) for r in ordered]}, indent=1, sort_keys=True)
+        staged = path.with_name(f".{path.name}.tmp")
+        staged.write_text(body + "\n")
+        staged.replace(path)
+
+    def merged(self, new: Sequence[Record]) -> "TuningDatabase":
+        """This database with ``new`` replacing records of the same (spec, bucket, GPU)."""
+        replaced = {(r.spec, r.max_rows, r.target.get("gpu")) for r in new}
+        kept = [r for r in self.records if (r.spec, r.max_rows, r.target.get("gpu")) not in replaced]
+        return TuningDatabase(kept + list(new), self.path)
+
+    def for_build(self, build_target: Dict[str, str]) -> Tuple["TunedSchedules", List[str]]:
+        """The records this build may use, and one line per rejected record saying why."""
+        usable, rejected = {}, []
+        for record in self.records:
+            reason = record.mismatch(build_target)
+            if reason is None:
+                usable[record.key()] = record
+            else:
+                rejected.append(f"{record.spec} M<={record.max_rows or 'any'} on {record.target.get('gpu')}: {reason}")
+        return TunedSchedules(usable), rejected
+
+
+@dataclasses.dataclass
+class TunedSchedules:
+    """The build's ``tuned`` step: a spec's schedule per M bucket, from usable records."""
+
+    records: Dict[Tuple[str, Optional[int]], Record]
+
+    def __call__(self, spec: VariantSpec, fallback: Tuple[str, Knobs]) -> List[Tuple[Optional[int], str, Knobs]]:
+        """[(max_rows, rule, knobs), ...] ascending, ending with max_rows None; buckets without a
+        record take ``fallback``, and neighbours with one schedule merge into the larger bucket."""
+        chosen = []
+        for max_rows, _ in ROW_BUCKETS:
+            record = self.records.get((spec.name, max_rows))
+            rule, knobs = (record.rule, dict(record.knobs)) if record else fallback
+            if chosen and chosen[-1][1:] == (rule, knobs):
+                chosen.pop()
+            chosen.append((max_rows, rule, knobs))
+        return chosen
+
+    def used(self) -> List[Record]:
+        return list(self.records.values())

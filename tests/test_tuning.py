@@ -1,0 +1,269 @@
+"""Schedule tuning: the knob space, search strategies, the tuning database and its use by
+the build, per-M-bucket dispatch, and the report. CPU only; the GPU half is
+``tune measure`` (docs/tuning.md)."""
+
+import json
+import math
+
+import pytest
+
+from tvm_rmsquant.loader import by_rows
+from tvm_rmsquant.schedules import RULES, default_schedule, rule_by_name
+from tvm_rmsquant.schedules.database import ROW_BUCKETS, DatabaseError, Record, TuningDatabase, bucket_of, build_target
+from tvm_rmsquant.schedules.search import evaluate, knob_key, neighbours, propose_evolve, run_search
+from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant import tune
+
+SPEC = VariantSpec("bf16", 4096, 128, True, "col", "fp32")
+TARGET = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "driver": "580.159.04", "cuda": "13.0", "tvm": "0.27.0.post1", "tvm_ffi": "0.1.14.post1"}
+BUILD = {**{key: TARGET[key] for key in ("compute_capability", "tvm", "tvm_ffi", "cuda")}, "gpu": None}
+
+
+def test_every_rule_declares_an_enumerable_space_with_an_occupancy_knob():
+    for rule in RULES:
+        for spec in (SPEC, VariantSpec("bf16", None, 128)):
+            if rule.default(spec) is None:
+                continue
+            space = rule.space(spec)
+            assert "min_blocks_per_sm" in space and "vector" in space
+            candidates = list(rule.candidates(spec))
+            assert len(candidates) == len({knob_key(c) for c in candidates}) > 10
+            assert rule.default(spec) in candidates
+    refused = rule_by_name("row_resident").check(SPEC, {"vector": 4, "groups_per_thread": 1, "min_blocks_per_sm": 4})
+    assert "exceed the 2048 threads of an SM" in refused
+
+
+def test_the_occupancy_knob_becomes_a_launch_bounds_hint():
+    pytest.importorskip("tvm")
+    from tvm_rmsquant.codegen.lower import with_min_blocks_per_sm
+
+    source = "void __launch_bounds__(128) k_kernel(int a);\nvoid __launch_bounds__(128) k_kernel(int a) {}\n"
+    assert with_min_blocks_per_sm(source, "k_kernel", 0) == source
+    assert with_min_blocks_per_sm(source, "k_kernel", 8).count("__launch_bounds__(128, 8) k_kernel(") == 2
+    with pytest.raises(RuntimeError, match="no __launch_bounds__ for other_kernel"):
+        with_min_blocks_per_sm(source, "other_kernel", 8)
+
+
+def _synthetic_costs(spec):
+    """A smooth cost over the real space: best at vector 8, 2 groups per thread, 4 blocks/SM."""
+    rule = rule_by_name(default_schedule(spec)[0])
+    cost = lambda k: 10 * (1 + 0.2 * abs(math.log2(k["groups_per_thread"] / 2)) + 0.1 * (k["vector"] != 8) + 0.03 * abs(k["min_blocks_per_sm"] - 4) / 4)  # noqa: E731
+    return rule, {knob_key(k): cost(k) for k in rule.candidates(spec)}
+
+
+def test_search_strategies_propose_distinct_valid_knobs_within_the_budget():
+    rule, costs = _synthetic_costs(SPEC)
+    for strategy in ("random", "evolve"):
+        history = run_search(strategy, rule, SPEC, lambda k: costs[knob_key(k)], 9, seed=3)
+        assert len(history) == 9 and len({knob_key(k) for k, _ in history}) == 9
+        assert all(rule.check(SPEC, k) is None for k, _ in history)
+    start = rule.default(SPEC)
+    assert all(sum(start[name] != k[name] for name in start) == 1 for k in neighbours(rule, SPEC, start))
+    # evolve starts from the hand-picked knobs, then proposes only untried ones
+    first = propose_evolve(rule, SPEC, [], 3)
+    assert first[0] == start and len(first) == 3
+    later = propose_evolve(rule, SPEC, [(k, costs[knob_key(k)]) for k in first], 4)
+    assert not {knob_key(k) for k in later} & {knob_key(k) for k in first}
+
+
+def test_evaluate_replays_strategies_against_an_exhaustive_table():
+    rule, costs = _synthetic_costs(SPEC)
+    budget = len(costs) // 4
+    result = evaluate(rule, SPEC, costs, budget, seeds=20)
+    for strategy in ("random", "evolve"):
+        curve = result[strategy]["median_curve"]
+        assert len(curve) == budget and curve == sorted(curve, reverse=True) and curve[-1] >= 1.0
+        assert 0 <= result[strategy]["within_tolerance"] <= 1
+    # on a smooth landscape the neighbour search beats uniform sampling
+    assert result["evolve"]["median_gap"] <= result["random"]["median_gap"]
+
+
+def test_buckets_cover_every_m():
+    assert [bucket_of(m) for m in (1, 64, 65, 1024, 1025, 10**6)] == [64, 64, 1024, 1024, None, None]
+    assert ROW_BUCKETS[-1][0] is None
+
+
+def _record(max_rows, knobs, target=TARGET, spec=SPEC.name):
+    return Record(spec, max_rows, "row_resident", knobs, 10.0, 11.0, dict(target))
+
+
+def test_the_database_uses_matching_records_and_rejects_the_rest_with_a_reason(tmp_path):
+    small = {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 0}
+    database = TuningDatabase([
+        _record(64, small),
+        _record(None, {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 4}, {**TARGET, "tvm": "0.26.0"}),
+        _record(1024, {"vector": 8, "groups_per_thread": 3, "min_blocks_per_sm": 0}),
+    ])
+    tuned, rejected = database.for_build(BUILD)
+    assert list(tuned.records) == [(SPEC.name, 64)]
+    assert any("tvm='0.26.0', the build has '0.27.0.post1'" in line for line in rejected)
+    assert any("refuses knobs" in line and "does not divide" in line for line in rejected)
+    _, on_other_gpu = database.for_build({**BUILD, "gpu": "NVIDIA H100"})
+    assert len(on_other_gpu) == 3 and "gpu='NVIDIA H200'" in on_other_gpu[0]
+
+    fallback = default_schedule(SPEC)
+    # buckets without a record take the hand-picked schedule; neighbours with one schedule merge
+    assert tuned(SPEC, fallback) == [(64, "row_resident", small), (None, *fallback)]
+    assert tuned(VariantSpec("bf16", 7168), default_schedule(VariantSpec("bf16", 7168))) == [(None, *default_schedule(VariantSpec("bf16", 7168)))]
+
+    path = tmp_path / "db.json"
+    database.save(path)
+    assert TuningDatabase.load(path).records == sorted(database.records, key=lambda r: math.inf if r.max_rows is None else r.max_rows)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(DatabaseError, match="bad.json is not valid JSON"):
+        TuningDatabase.load(tmp_path / "bad.json")
+    (tmp_path / "old.json").write_text(json.dumps({"schema_version": 0, "records": []}))
+    with pytest.raises(DatabaseError, match="schema_version=0, expected 1"):
+        TuningDatabase.load(tmp_path / "old.json")
+
+
+def test_the_build_target_names_the_toolchain_that_generates_the_code():
+    toolchain = {"apache-tvm": "0.27.0.post1", "apache-tvm-ffi": "0.1.14.post1", "nvcc": "Build cuda_13.0.r13.0/compiler.36424714_0"}
+    assert build_target(toolchain, (9, 0)) == BUILD
+
+
+def test_the_shipped_database_is_valid_and_matches_this_toolchain_or_says_why():
+    from tvm_rmsquant.schedules.database import DEFAULT_DATABASE
+
+    database = TuningDatabase.load(DEFAULT_DATABASE)
+    for record in database.records:
+        assert set(record.target) >= {"gpu", "compute_capability", "driver", "cuda", "tvm", "tvm_ffi"}
+        assert record.microseconds <= record.default_microseconds * 1.0001, record  # never slower than hand-picked
+        assert record.mismatch(BUILD) is None, record
+
+
+def test_bucket_kernels_are_picked_by_m_with_an_integer_compare():
+    calls = []
+    pick = by_rows([(1024, lambda x, *a: calls.append("medium")), (64, lambda x, *a: calls.append("small"))], lambda x, *a: calls.append("large"))
+
+    class Rows:
+        def __init__(self, m):
+            self.shape = (m, 4096)
+
+    for m in (1, 64, 65, 1024, 1025):
+        pick(Rows(m), "w")
+    assert calls == ["small", "small", "medium", "medium", "large"]
+
+
+def test_the_plan_gives_each_tuned_bucket_its_own_kernel():
+    from tvm_rmsquant.codegen.bundle import plan
+
+    small = {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 0}
+    tuned, _ = TuningDatabase([_record(64, small)]).for_build(BUILD)
+    (variants,) = plan([SPEC], tuned=tuned).values()
+    assert [(v.symbol, v.max_rows, dict(v.knobs)) for v in variants] == [
+        (f"{SPEC.name}__m64", 64, small),
+        (SPEC.name, None, default_schedule(SPEC)[1]),
+    ]
+
+
+def _results(times_by_knobs):
+    """A ``tune measure`` results file, for report and record."""
+    default = default_schedule(SPEC)[1]
+    candidates = []
+    for index, (knobs, scale) in enumerate(times_by_knobs):
+        times = {str(m): scale * (1 + m / 1024) for m in tune.MEASURED_ROWS}
+        candidates.append({"symbol": f"{SPEC.name}__t{index:03d}", "spec": SPEC.name, "rule": "row_resident", "knobs": knobs,
+                           "is_default": knobs == default, "ptxas": {}, "microseconds": times, "dropped": None})
+    return {"target": TARGET, "ceiling_gbps": 4200.0, "rows": list(tune.MEASURED_ROWS), "candidates": candidates}
+
+
+def test_record_keeps_the_fastest_per_bucket_and_never_one_slower_than_hand_picked(tmp_path):
+    default = default_schedule(SPEC)[1]
+    faster = {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 0}
+    wrong = {"vector": 8, "groups_per_thread": 8, "min_blocks_per_sm": 0}
+    results = _results([(default, 1.0), (faster, 0.9), (wrong, 0.5)])
+    results["candidates"][2]["dropped"] = "M=1: WRONG: codes identical 0.5"
+    records = tune.best_records(results)
+    assert [(r.max_rows, r.knobs) for r in records] == [(64, faster), (1024, faster), (None, faster)]
+    assert all(r.microseconds < r.default_microseconds for r in records)
+    path = tmp_path / "db.json"
+    database = tune.record(results, path)
+    assert len(TuningDatabase.load(path).records) == len(database.records) == 3
+    # a later measurement of the same (spec, bucket, GPU) replaces the record
+    assert len(tune.record(_results([(default, 1.0)]), path).records) == 3
+    assert all(r.knobs == default for r in TuningDatabase.load(path).records)
+
+
+def test_report_ranks_plots_and_evaluates_the_search_on_an_exhaustive_run(tmp_path):
+    rule, costs = _synthetic_costs(SPEC)
+    results = _results([(dict(key), cost / 10) for key, cost in costs.items()])
+    lines = []
+    summary = tune.report(results, tmp_path, log=lines.append)
+    assert (tmp_path / "knob_heatmap.png").stat().st_size > 0 and (tmp_path / "best_so_far.png").stat().st_size > 0
+    assert len(summary["search"]) == len(ROW_BUCKETS) and all(row["budget"] == len(costs) // 4 for row in summary["search"])
+    assert any(line.startswith(f"{SPEC.name:34s} M<=64") for line in lines)
+    best = min(costs, key=costs.get)
+    assert all(knob_key(r["knobs"]) == best for r in summary["records"])
+
+
+def test_tune_cli_refuses_what_it_cannot_do(tmp_path, capsys):
+    from tvm_rmsquant.cli import main
+
+    assert main(["tune", "build", "--strategy", "evolve", "--out", str(tmp_path / "c")]) == 2
+    assert "--strategy=evolve proposes from measured results" in capsys.readouterr().err
+    assert main(["tune", "build", "--trials", "0", "--out", str(tmp_path / "c")]) == 2
+    (tmp_path / "r.json").write_text("{}")
+    with pytest.raises(SystemExit, match="is not a `tune measure` results file"):
+        main(["tune", "report", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit):
+        main(["tune", "build", "--spec", "bf16_k4096_nonsense", "--out", str(tmp_path / "c")])
+    assert not (tmp_path / "c").exists()
+
+
+def test_candidate_knobs_always_include_the_hand_picked_schedule_first():
+    default = default_schedule(SPEC)
+    for strategy in ("exhaustive", "random"):
+        chosen = tune.candidate_knobs(SPEC, strategy, 4, seed=1)
+        assert chosen[0] == default and len({knob_key(k) for _, k in chosen}) == len(chosen)
+    assert len(tune.candidate_knobs(SPEC, "exhaustive", 1)) == len(list(rule_by_name(default[0]).candidates(SPEC)))
+    with pytest.raises(ValueError, match="strategy='grid' is unknown"):
+        tune.candidate_knobs(SPEC, "grid", 4)
+
+
+@pytest.fixture(scope="module")
+def toolchain_or_skip():
+    pytest.importorskip("tvm", reason="building needs the TVM compiler ([build] extra)")
+    from tvm_rmsquant.codegen.nvcc import NvccError, find_nvcc
+
+    try:
+        find_nvcc()
+    except NvccError:
+        pytest.skip("nvcc is not installed")
+
+
+def test_a_tuned_build_ships_one_kernel_per_bucket_with_its_knobs(tmp_path, toolchain_or_skip):
+    from tvm_rmsquant.codegen import bundle as builder
+    from tvm_rmsquant.loader import Bundle
+
+    small = {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 4}
+    tuned, _ = TuningDatabase([_record(64, small)]).for_build(BUILD)
+    builder.build([SPEC], tmp_path / "bundle", jobs=1, cache_dir=tmp_path / "cache", tuned=tuned)
+    bundle = Bundle(tmp_path / "bundle")
+    entry = bundle.entry(SPEC.name)
+    assert entry["knobs"] == default_schedule(SPEC)[1] and "max_rows" not in entry
+    (bucket,) = entry["by_rows"]
+    assert bucket["max_rows"] == 64 and bucket["knobs"] == small and bucket["symbol"] == f"{SPEC.name}__m64"
+    source = (bundle.path / bundle.manifest["libraries"][entry["library"]]["source"]).read_text()
+    assert f"__launch_bounds__(512, 4) {bucket['kernel']}(" in source and f"__tvm_ffi_{bucket['symbol']}(" in source
+
+
+def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, toolchain_or_skip):
+    from tvm_rmsquant.codegen import bundle as builder
+    from tvm_rmsquant.loader import Bundle
+
+    report = tune.build_candidates([SPEC], "random", 2, tmp_path / "candidates", jobs=1, seed=5, cache_dir=tmp_path / "cache")
+    bundle = Bundle(tmp_path / "candidates")
+    assert bundle.names() == [] and report.variants == len(bundle.candidates()) == 3
+    assert bundle.manifest["tuning"] == {"strategy": "random", "trials": 2, "seed": 5}
+    first = bundle.candidates()[f"{SPEC.name}__t000"]
+    assert first["knobs"] == default_schedule(SPEC)[1] and first["ptxas"]["registers"] > 0
+    assert set(builder.plan_candidates({SPEC: [("row_resident", default_schedule(SPEC)[1])] * 9})) == {f"cand_{SPEC.name}_0", f"cand_{SPEC.name}_1"}
+
+
+def test_the_build_refuses_an_unreadable_tuning_database_before_building(tmp_path, capsys, toolchain_or_skip):
+    from tvm_rmsquant.cli import main
+
+    (tmp_path / "db.json").write_text("not json")
+    assert main(["build", "--hidden", "4096", "--dtype", "bf16", "--tuning-db", str(tmp_path / "db.json"), "--out", str(tmp_path / "out")]) == 2
+    assert "db.json is not valid JSON" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -1,0 +1,308 @@
+"""Schedule tuning, split like TVM's builder and runner (the GPU machine has no compiler).
+
+    build     (CPU, needs TVM)     candidate knobs per spec -> a candidate bundle
+    measure   (GPU, torch+tvm-ffi) check each candidate against the reference, drop and
+                                   report failures, time the rest over an M sweep -> results JSON
+    report    (anywhere)           ranking, knob heat-map, best-so-far against trials
+    record    (anywhere)           the best schedule per (spec, M bucket) -> the tuning database
+
+Every candidate bundle also holds each spec's hand-picked schedule, so that results
+always compare against it within one run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .schedules import default_schedule, rule_by_name
+from .schedules.database import ROW_BUCKETS, Record, TuningDatabase, bucket_score, cuda_release
+from .schedules.search import evaluate, knob_key, propose_evolve
+from .spec import VariantSpec
+
+#: The specs the tuning bar names: bf16, K in {4096, 7168}, with and without residual,
+#: for the layouts/formats of DeepGEMM/cuBLAS (col fp32), Triton (row fp32) and UE8M0.
+TUNE_SPECS = tuple(
+    VariantSpec("bf16", hidden, 128, residual, layout, fmt)
+    for hidden in (4096, 7168)
+    for residual in (False, True)
+    for layout, fmt in (("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"))
+)
+#: M values timed by ``measure``: every bucket's timed values.
+MEASURED_ROWS = tuple(sorted({rows for _, timed in ROW_BUCKETS for rows in timed}))
+STRATEGIES = ("exhaustive", "random", "evolve")
+
+
+# -- build (CPU) ------------------------------------------------------------------------------
+
+
+def candidate_knobs(spec: VariantSpec, strategy: str, trials: int, seed: int = 0, measured: Sequence[Tuple[Dict, float]] = ()) -> List[Tuple[str, Dict]]:
+    """(rule, knobs) to build for ``spec``: the hand-picked schedule first, then the strategy's."""
+    rule_name, default = default_schedule(spec)
+    rule = rule_by_name(rule_name)
+    if strategy == "exhaustive":
+        chosen = list(rule.candidates(spec))
+    elif strategy == "random":
+        chosen = rule.sample(spec, trials, seed)
+    elif strategy == "evolve":
+        chosen = propose_evolve(rule, spec, measured, trials, seed)
+    else:
+        raise ValueError(f"strategy={strategy!r} is unknown; choose one of {STRATEGIES}")
+    unique = {knob_key(default): default}
+    for knobs in chosen:
+        unique.setdefault(knob_key(knobs), knobs)
+    return [(rule_name, knobs) for knobs in unique.values()]
+
+
+def build_candidates(specs: Sequence[VariantSpec], strategy: str, trials: int, out: Path, jobs: int = 2, seed: int = 0,
+                     previous: Optional[Dict] = None, cache_dir: Optional[Path] = None, progress=None):
+    """Build a candidate bundle at ``out``; ``previous`` results seed the ``evolve`` strategy."""
+    from .codegen import bundle as builder
+
+    candidates = {}
+    for spec in specs:
+        measured = _measured_trials(previous, spec) if previous else []
+        candidates[spec] = candidate_knobs(spec, strategy, trials, seed, measured)
+    libraries = builder.plan_candidates(candidates)
+    extra = {"tuning": {"strategy": strategy, "trials": trials, "seed": seed}}
+    return builder.build_libraries(libraries, out, jobs, cache_dir, progress, extra)
+
+
+def _measured_trials(results: Dict, spec: VariantSpec, max_rows: Optional[int] = None) -> List[Tuple[Dict, float]]:
+    """(knobs, bucket score) of ``spec``'s measured candidates; failed ones cost infinity."""
+    trials = []
+    for candidate in results["candidates"]:
+        if candidate["spec"] == spec.name:
+            times = {int(rows): value for rows, value in candidate["microseconds"].items()}
+            score = bucket_score(times, max_rows) if candidate["dropped"] is None else math.inf
+            trials.append((candidate["knobs"], score if math.isfinite(score) else math.inf))
+    return trials
+
+
+# -- measure (GPU) ----------------------------------------------------------------------------
+
+
+def gpu_target(bundle) -> Dict[str, str]:
+    """Where a measurement ran, and the toolchain that built what it measured."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        driver = "unknown"
+    toolchain = bundle.manifest["toolchain"]
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "compute_capability": f"{major}.{minor}",
+        "driver": driver,
+        "cuda": cuda_release(toolchain["nvcc"]),
+        "cuda_runtime": str(torch.version.cuda),
+        "tvm": toolchain["apache-tvm"],
+        "tvm_ffi": metadata.version("apache-tvm-ffi"),
+    }
+
+
+def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: float = 1e-6, log=print) -> Dict:
+    """Check then time every candidate of a candidate bundle over ``rows_list``."""
+    import torch
+
+    from . import launch, reference
+    from .bench import L2_BYTES, copy_ceiling, op_bytes, time_call
+    from .checks import compare, random_inputs
+
+    candidates = bundle.candidates()
+    if not candidates:
+        raise ValueError(f"bundle {bundle.path} holds no tuning candidates; build one with `python -m tvm_rmsquant tune build`")
+    bundle.check_device(torch.cuda.get_device_capability())
+    by_spec: Dict[str, List[Tuple[str, Dict]]] = {}
+    for symbol, entry in sorted(candidates.items()):
+        by_spec.setdefault(VariantSpec.from_json(entry["spec"]).name, []).append((symbol, entry))
+    results = {"target": gpu_target(bundle), "ceiling_gbps": copy_ceiling(), "rows": list(rows_list), "candidates": []}
+    log(f"copy ceiling (read+write): {results['ceiling_gbps']:.0f} GB/s; {len(candidates)} candidates of {len(by_spec)} specs")
+    for spec_name, entries in by_spec.items():
+        spec = VariantSpec.parse(spec_name)
+        hidden = spec.hidden
+        default = dict(default_schedule(spec)[1])
+        rows_out = {symbol: {} for symbol, _ in entries}
+        dropped: Dict[str, Optional[str]] = {symbol: None for symbol, _ in entries}
+        functions = {symbol: bundle.kernel_function(entry) for symbol, entry in entries}
+        for rows in rows_list:
+            moved = op_bytes(spec, rows, hidden)
+            copies = max(1, min(8, -(-3 * L2_BYTES // max(moved, 1))))
+            input_sets = [random_inputs(spec, rows, hidden, seed=rows * 7 + hidden + i, device="cuda") for i in range(copies)]
+            first = input_sets[0]
+            cpu = {key: (value.cpu() if value is not None else None) for key, value in first.items()}
+            want = reference.rms_norm_group_quant(cpu["x"], cpu["weight"], eps, spec, cpu["residual"], cpu["scale_ub"])
+            want = tuple(tensor.cuda() if tensor is not None else None for tensor in want)
+            for symbol, _ in entries:
+                if dropped[symbol] is not None:
+                    continue
+                function = functions[symbol]
+
+                def make_call(index, function=function):
+                    inputs = input_sets[index]
+                    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device="cuda")
+                    scales = reference.empty_scales(spec, rows, hidden, "cuda")
+                    residual_out = torch.empty_like(inputs["x"]) if spec.residual else None
+                    args = launch.kernel_args(spec, inputs["x"], inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
+                    call = lambda: function(*args)  # noqa: E731
+                    call.outputs = (q, scales, residual_out)
+                    return call
+
+                check = make_call(0)
+                check()
+                agreement = compare(spec, check.outputs, want, hidden)
+                if not agreement.passed:
+                    dropped[symbol] = f"M={rows}: WRONG: {agreement.describe()}"
+                    log(f"DROPPED {symbol}: {dropped[symbol]}")
+                    continue
+                rows_out[symbol][rows] = time_call(make_call, copies, rows)
+        for symbol, entry in entries:
+            results["candidates"].append({
+                "symbol": symbol,
+                "spec": spec_name,
+                "rule": entry["rule"],
+                "knobs": entry["knobs"],
+                "is_default": entry["knobs"] == default,
+                "ptxas": entry["ptxas"],
+                "microseconds": {str(rows): value for rows, value in rows_out[symbol].items()} if dropped[symbol] is None else {},
+                "dropped": dropped[symbol],
+            })
+            times = " ".join(f"{value:7.2f}" for value in rows_out[symbol].values())
+            log(f"{symbol:40s} {json.dumps(entry['knobs'], sort_keys=True):62s} {times if dropped[symbol] is None else 'DROPPED'}")
+    return results
+
+
+# -- report and record (anywhere) -------------------------------------------------------------
+
+
+def best_records(results: Dict) -> List[Record]:
+    """The fastest valid candidate per (spec, M bucket), with the hand-picked one's time beside it."""
+    records = []
+    for spec_name in dict.fromkeys(candidate["spec"] for candidate in results["candidates"]):
+        mine = [c for c in results["candidates"] if c["spec"] == spec_name and c["dropped"] is None]
+        default = next((c for c in mine if c["is_default"]), None)
+        if default is None:
+            raise ValueError(f"results hold no measured hand-picked schedule for {spec_name}; tune build always includes it")
+        for max_rows, _ in ROW_BUCKETS:
+            score = lambda c: bucket_score({int(k): v for k, v in c["microseconds"].items()}, max_rows)  # noqa: E731
+            best = min(mine, key=lambda c: (score(c), not c["is_default"]))
+            records.append(Record(spec_name, max_rows, best["rule"], best["knobs"], score(best), score(default), dict(results["target"])))
+    return records
+
+
+def search_evaluation(results: Dict, budget_fraction: float = 0.25, seeds: int = 50) -> List[Dict]:
+    """Each strategy replayed against the exhaustive measurement, per (spec, M bucket)."""
+    rows = []
+    for spec_name in dict.fromkeys(candidate["spec"] for candidate in results["candidates"]):
+        spec = VariantSpec.parse(spec_name)
+        rule_name, _ = default_schedule(spec)
+        rule = rule_by_name(rule_name)
+        space = len(list(rule.candidates(spec)))
+        for max_rows, _ in ROW_BUCKETS:
+            costs = {knob_key(knobs): score for knobs, score in _measured_trials(results, spec, max_rows)}
+            if len(costs) < space:
+                raise ValueError(f"{spec_name}: {len(costs)} of {space} candidates measured; evaluating a search needs the exhaustive run")
+            budget = max(1, int(space * budget_fraction))
+            evaluation = evaluate(rule, spec, costs, budget, seeds)
+            rows.append({"spec": spec_name, "max_rows": max_rows, "space": space, "budget": budget, **evaluation})
+    return rows
+
+
+def report(results: Dict, out: Path, log=print) -> Dict:
+    """Print the ranking per spec, write the heat-map and best-so-far plots and a summary JSON."""
+    out.mkdir(parents=True, exist_ok=True)
+    records = best_records(results)
+    for record in records:
+        gain = record.default_microseconds / record.microseconds - 1
+        log(f"{record.spec:34s} M<={str(record.max_rows or 'any'):4s} best {json.dumps(record.knobs, sort_keys=True):62s} "
+            f"{record.microseconds:8.2f} us, hand-picked {record.default_microseconds:8.2f} us ({100 * gain:+.1f}%)")
+    dropped = [c for c in results["candidates"] if c["dropped"] is not None]
+    for candidate in dropped:
+        log(f"dropped {candidate['symbol']}: {candidate['dropped']}")
+    summary = {"records": [r.__dict__ for r in records], "dropped": [c["symbol"] for c in dropped]}
+    try:
+        summary["search"] = search_evaluation(results)
+    except ValueError as error:
+        log(f"search evaluation skipped: {error}")
+    for row in summary.get("search", []):
+        log(f"search {row['spec']:34s} M<={str(row['max_rows'] or 'any'):4s} budget {row['budget']}/{row['space']}: "
+            + ", ".join(f"{name} within 3% in {100 * row[name]['within_tolerance']:.0f}% of runs (median gap {100 * row[name]['median_gap']:.1f}%)" for name in ("random", "evolve")))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    _plot_heatmaps(results, out / "knob_heatmap.png")
+    if "search" in summary:
+        _plot_search(summary["search"], out / "best_so_far.png")
+    return summary
+
+
+def _plot_heatmaps(results: Dict, path: Path) -> None:
+    """Per spec (large-M bucket): time relative to the best, rows (vector, groups_per_thread), columns min_blocks_per_sm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    specs = list(dict.fromkeys(c["spec"] for c in results["candidates"]))
+    columns = 3
+    figure, axes = plt.subplots(-(-len(specs) // columns), columns, figsize=(6 * columns, 4 * -(-len(specs) // columns)), squeeze=False)
+    for axis, spec_name in zip(axes.flat, specs):
+        mine = [c for c in results["candidates"] if c["spec"] == spec_name]
+        shape_knobs = sorted({tuple((k, v) for k, v in sorted(c["knobs"].items()) if k != "min_blocks_per_sm") for c in mine})
+        occupancy = sorted({c["knobs"].get("min_blocks_per_sm", 0) for c in mine})
+        scores = {}
+        for c in mine:
+            score = bucket_score({int(k): v for k, v in c["microseconds"].items()}, None) if c["dropped"] is None else math.nan
+            scores[(tuple((k, v) for k, v in sorted(c["knobs"].items()) if k != "min_blocks_per_sm"), c["knobs"].get("min_blocks_per_sm", 0))] = score
+        best = min(v for v in scores.values() if v == v)
+        grid = [[scores.get((shape, blocks), math.nan) / best for blocks in occupancy] for shape in shape_knobs]
+        image = axis.imshow(grid, cmap="viridis_r", vmin=1.0, vmax=min(2.0, max(v for row in grid for v in row if v == v)), aspect="auto")
+        axis.set_xticks(range(len(occupancy)), [str(b) for b in occupancy])
+        axis.set_yticks(range(len(shape_knobs)), [" ".join(f"{k[:1]}{v}" for k, v in shape) for shape in shape_knobs], fontsize=7)
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                if value == value:
+                    axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6, color="w")
+        axis.set_xlabel("min_blocks_per_sm")
+        axis.set_title(f"{spec_name}, M >= 4096: time / best", fontsize=8)
+        figure.colorbar(image, ax=axis)
+    for axis in list(axes.flat)[len(specs):]:
+        axis.axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+
+
+def _plot_search(evaluations: List[Dict], path: Path) -> None:
+    """Median best-so-far (relative to the exhaustive best) against trials, per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = 6
+    figure, axes = plt.subplots(-(-len(evaluations) // columns), columns, figsize=(3.2 * columns, 2.6 * -(-len(evaluations) // columns)), squeeze=False)
+    for axis, row in zip(axes.flat, evaluations):
+        for name in ("random", "evolve"):
+            curve = row[name]["median_curve"]
+            axis.plot(range(1, len(curve) + 1), curve, marker="o", markersize=3, label=name)
+        axis.axhline(1.03, color="k", linestyle="--", linewidth=0.8, label="exhaustive best + 3%")
+        axis.set_ylim(0.99, 1.3)
+        axis.set_title(f"{row['spec']} M<={row['max_rows'] or 'any'}", fontsize=6)
+        axis.set_xlabel(f"trials (of {row['space']})", fontsize=7)
+    for axis in list(axes.flat)[len(evaluations):]:
+        axis.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+
+
+def record(results: Dict, database_path: Path) -> TuningDatabase:
+    """Merge the results' best schedules into the database at ``database_path`` (created if absent)."""
+    database = TuningDatabase.load(database_path) if Path(database_path).exists() else TuningDatabase([])
+    merged = database.merged(best_records(results))
+    merged.save(database_path)
+    return merged
