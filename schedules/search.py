@@ -1,14 +1,15 @@
 """Search strategies over a rule's knob space, better than trying everything.
 
-A strategy proposes knobs, is told each one's measured cost, and proposes again. The
-cost comes from a GPU run; since the GPU machine has no compiler, a live search goes in
-rounds (``tune build`` proposes from earlier results, ``tune measure`` times them), and
-a strategy is judged by replaying it against an exhaustive measurement
-(``evaluate``), where each trial is one lookup of a measured cost.
+A strategy proposes knobs, is told each one's measured costs, and proposes again. One
+trial is one candidate kernel, timed at every M, so its costs are one per M bucket, and a
+search looks for every bucket's best at once. The costs come from a GPU run; since the GPU
+machine has no compiler, a live search goes in rounds (``tune build`` proposes from earlier
+results, ``tune measure`` times them), and a strategy is judged by replaying it against an
+exhaustive measurement (``evaluate``), where each trial is one lookup of measured costs.
 
-``evolve``: start from the hand-picked knobs plus a few random ones, then repeatedly
-mutate one of the best few found so far, one knob moved to a neighbouring value of its
-range; fall back to a random untried candidate when no neighbour is left.
+``evolve``: start from the hand-picked knobs plus a random one, then repeatedly mutate
+one of the best few found so far for some bucket, one knob moved to a neighbouring value
+of its range; fall back to a random untried candidate when no neighbour is left.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tvm_rmsquant.spec import VariantSpec
 
 from .base import Knobs, ScheduleRule
 
-Trial = Tuple[Knobs, float]
+#: (knobs, cost per objective); lower is better, inf for a candidate that failed its check.
+Trial = Tuple[Knobs, Tuple[float, ...]]
 
 
 def _key(knobs: Knobs) -> Tuple[Tuple[str, int], ...]:
@@ -42,8 +44,20 @@ def neighbours(rule: ScheduleRule, spec: VariantSpec, knobs: Knobs) -> List[Knob
     return found
 
 
+def _parents(measured: Sequence[Trial], elite: int) -> List[Knobs]:
+    """The ``elite`` best trials of each objective, best first, without repeats."""
+    objectives = len(measured[0][1]) if measured else 0
+    parents: Dict[Tuple, Knobs] = {}
+    for rank in range(elite):
+        for objective in range(objectives):
+            ranked = sorted((t for t in measured if math.isfinite(t[1][objective])), key=lambda t: t[1][objective])
+            if rank < len(ranked):
+                parents.setdefault(_key(ranked[rank][0]), ranked[rank][0])
+    return list(parents.values())
+
+
 def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Trial], count: int, seed: int = 0,
-                   elite: int = 3, initial_random: int = 2) -> List[Knobs]:
+                   elite: int = 2, initial_random: int = 1) -> List[Knobs]:
     """The next ``count`` untried knobs, given the trials ``measured`` so far."""
     rng = random.Random(seed)
     everything = list(rule.candidates(spec))
@@ -63,8 +77,7 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
                 break
             if _key(knobs) not in tried:
                 take(knobs)
-    finite = sorted((trial for trial in measured if math.isfinite(trial[1])), key=lambda trial: trial[1])
-    parents = [knobs for knobs, _ in finite[:elite]]
+    parents = _parents(measured, elite)
     while len(proposals) < count and len(tried) < len(everything):
         children = [child for parent in parents + proposals[-1:] for child in neighbours(rule, spec, parent) if _key(child) not in tried]
         if children:
@@ -74,7 +87,7 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
     return proposals
 
 
-def run_search(strategy: str, rule: ScheduleRule, spec: VariantSpec, cost: Callable[[Knobs], float], trials: int, seed: int = 0) -> List[Trial]:
+def run_search(strategy: str, rule: ScheduleRule, spec: VariantSpec, cost: Callable[[Knobs], Tuple[float, ...]], trials: int, seed: int = 0) -> List[Trial]:
     """Run ``strategy`` (``random`` or ``evolve``) for ``trials`` trials, one proposal at a time."""
     if strategy == "random":
         return [(knobs, cost(knobs)) for knobs in rule.sample(spec, trials, seed)]
@@ -82,39 +95,46 @@ def run_search(strategy: str, rule: ScheduleRule, spec: VariantSpec, cost: Calla
         raise ValueError(f"strategy={strategy!r} is unknown; choose random or evolve")
     history: List[Trial] = []
     while len(history) < trials:
-        proposed = propose_evolve(rule, spec, history, 1 if history else min(trials, 3), seed=seed + len(history))
+        proposed = propose_evolve(rule, spec, history, 1 if history else min(trials, 2), seed=seed + len(history))
         if not proposed:
             break
         history += [(knobs, cost(knobs)) for knobs in proposed]
     return history[:trials]
 
 
-def best_so_far(history: Sequence[Trial]) -> List[float]:
+def best_so_far(history: Sequence[Trial], objective: int) -> List[float]:
     best, curve = math.inf, []
-    for _, value in history:
+    for _, costs in history:
+        value = costs[objective]
         best = min(best, value) if math.isfinite(value) else best
         curve.append(best)
     return curve
 
 
-def evaluate(rule: ScheduleRule, spec: VariantSpec, costs: Dict[Tuple, float], budget: int, seeds: int = 50,
-             tolerance: float = 0.03) -> Dict[str, Dict[str, float]]:
-    """Replay each strategy ``seeds`` times against measured ``costs`` (knob key -> cost).
+def evaluate(rule: ScheduleRule, spec: VariantSpec, costs: Dict[Tuple, Tuple[float, ...]], budget: int, seeds: int = 50,
+             tolerance: float = 0.03) -> Dict[str, List[Dict]]:
+    """Replay each strategy ``seeds`` times against measured ``costs`` (knob key -> cost per objective).
 
-    Returns, per strategy, the share of runs within ``tolerance`` of the exhaustive best
-    after ``budget`` trials, the median gap to it, and the median best-so-far curve.
+    Returns, per strategy and objective, the share of runs within ``tolerance`` of the
+    exhaustive best after ``budget`` trials, the median gap to it, and the median
+    best-so-far curve relative to it.
     """
-    exhaustive = min(value for value in costs.values() if math.isfinite(value))
-    lookup = lambda knobs: costs.get(_key(knobs), math.inf)  # noqa: E731  (a knob the run did not time)
+    objectives = len(next(iter(costs.values())))
+    missing = (math.inf,) * objectives
+    lookup = lambda knobs: costs.get(_key(knobs), missing)  # noqa: E731  (a knob the run did not time)
     out = {}
     for strategy in ("random", "evolve"):
-        curves = [best_so_far(run_search(strategy, rule, spec, lookup, budget, seed)) for seed in range(seeds)]
-        gaps = [curve[-1] / exhaustive - 1 for curve in curves]
-        out[strategy] = {
-            "within_tolerance": sum(gap <= tolerance for gap in gaps) / seeds,
-            "median_gap": statistics.median(gaps),
-            "median_curve": [statistics.median(curve[i] for curve in curves) / exhaustive for i in range(budget)],
-        }
+        histories = [run_search(strategy, rule, spec, lookup, budget, seed) for seed in range(seeds)]
+        out[strategy] = []
+        for objective in range(objectives):
+            exhaustive = min(value[objective] for value in costs.values() if math.isfinite(value[objective]))
+            curves = [best_so_far(history, objective) for history in histories]
+            gaps = [curve[-1] / exhaustive - 1 for curve in curves]
+            out[strategy].append({
+                "within_tolerance": sum(gap <= tolerance for gap in gaps) / seeds,
+                "median_gap": statistics.median(gaps),
+                "median_curve": [statistics.median(curve[i] for curve in curves) / exhaustive for i in range(budget)],
+            })
     return out
 
 

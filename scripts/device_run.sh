@@ -3,6 +3,7 @@
 # then check and time the bundles built here and carried in artifacts/.
 #   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile tune   (default: all but tune)
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
+#   SWEEP_ROWS, SWEEP_FORMATS  the M values and layout:format pairs of the sweep stage
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz.
 set -uo pipefail
@@ -40,8 +41,8 @@ for stage in $STAGES; do
     sweep)
       for bundle in artifacts/sweep_*; do
         echo "== $bundle" >> "$RESULTS/sweep.log"
-        python3 -P -m tvm_rmsquant bench --bundle "$bundle" --providers ours --hidden 4096,7168 --rows 64,4096,16384 \
-          --formats row:fp32,col:ue8m0 --out "/tmp/sweep/$(basename "$bundle")" >> "$RESULTS/sweep.log" 2>&1
+        python3 -P -m tvm_rmsquant bench --bundle "$bundle" --providers ours --hidden 4096,7168 --rows "${SWEEP_ROWS:-64,4096,16384}" \
+          --formats "${SWEEP_FORMATS:-row:fp32,col:ue8m0}" --out "/tmp/sweep/$(basename "$bundle")" >> "$RESULTS/sweep.log" 2>&1
       done
       grep -E "==|M= *(4096|16384)" "$RESULTS/sweep.log"; tar -czf "$RESULTS/sweep.tar.gz" -C /tmp sweep ;;
     bench)

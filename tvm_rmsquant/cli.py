@@ -221,9 +221,7 @@ def _tune(args) -> int:
         print(report.summary())
         return 0
     if args.tune_command == "measure":
-        results = tune.measure_candidates(_open(args.bundle), args.rows or tune.MEASURED_ROWS)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+        tune.measure_candidates(_open(args.bundle), args.rows or tune.MEASURED_ROWS, out=args.out)
         print(f"wrote {args.out}")
         return 0
     results = _read_results(args.results)

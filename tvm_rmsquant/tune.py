@@ -72,14 +72,14 @@ def build_candidates(specs: Sequence[VariantSpec], strategy: str, trials: int, o
     return builder.build_libraries(libraries, out, jobs, cache_dir, progress, extra)
 
 
-def _measured_trials(results: Dict, spec: VariantSpec, max_rows: Optional[int] = None) -> List[Tuple[Dict, float]]:
-    """(knobs, bucket score) of ``spec``'s measured candidates; failed ones cost infinity."""
+def _measured_trials(results: Dict, spec: VariantSpec) -> List[Tuple[Dict, Tuple[float, ...]]]:
+    """(knobs, score per M bucket) of ``spec``'s measured candidates; failed ones cost infinity."""
     trials = []
     for candidate in results["candidates"]:
         if candidate["spec"] == spec.name:
             times = {int(rows): value for rows, value in candidate["microseconds"].items()}
-            score = bucket_score(times, max_rows) if candidate["dropped"] is None else math.inf
-            trials.append((candidate["knobs"], score if math.isfinite(score) else math.inf))
+            scores = [bucket_score(times, max_rows) if candidate["dropped"] is None else math.inf for max_rows, _ in ROW_BUCKETS]
+            trials.append((candidate["knobs"], tuple(score if math.isfinite(score) else math.inf for score in scores)))
     return trials
 
 
@@ -107,8 +107,9 @@ def gpu_target(bundle) -> Dict[str, str]:
     }
 
 
-def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: float = 1e-6, log=print) -> Dict:
-    """Check then time every candidate of a candidate bundle over ``rows_list``."""
+def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: float = 1e-6, log=print, out: Optional[Path] = None) -> Dict:
+    """Check then time every candidate of a candidate bundle over ``rows_list``; the results so
+    far are rewritten to ``out`` after each spec, so a run cut short keeps what it measured."""
     import torch
 
     from . import launch, reference
@@ -175,6 +176,11 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
             })
             times = " ".join(f"{value:7.2f}" for value in rows_out[symbol].values())
             log(f"{symbol:40s} {json.dumps(entry['knobs'], sort_keys=True):62s} {times if dropped[symbol] is None else 'DROPPED'}")
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staged = out.with_name(f".{out.name}.tmp")
+            staged.write_text(json.dumps(results, indent=1))
+            staged.replace(out)
     return results
 
 
@@ -197,20 +203,22 @@ def best_records(results: Dict) -> List[Record]:
 
 
 def search_evaluation(results: Dict, budget_fraction: float = 0.25, seeds: int = 50) -> List[Dict]:
-    """Each strategy replayed against the exhaustive measurement, per (spec, M bucket)."""
+    """Each strategy replayed against the exhaustive measurement: per (spec, M bucket), how
+    close ``budget_fraction`` of the trials (each timing one candidate at every M) gets."""
     rows = []
     for spec_name in dict.fromkeys(candidate["spec"] for candidate in results["candidates"]):
         spec = VariantSpec.parse(spec_name)
         rule_name, _ = default_schedule(spec)
         rule = rule_by_name(rule_name)
         space = len(list(rule.candidates(spec)))
-        for max_rows, _ in ROW_BUCKETS:
-            costs = {knob_key(knobs): score for knobs, score in _measured_trials(results, spec, max_rows)}
-            if len(costs) < space:
-                raise ValueError(f"{spec_name}: {len(costs)} of {space} candidates measured; evaluating a search needs the exhaustive run")
-            budget = max(1, int(space * budget_fraction))
-            evaluation = evaluate(rule, spec, costs, budget, seeds)
-            rows.append({"spec": spec_name, "max_rows": max_rows, "space": space, "budget": budget, **evaluation})
+        costs = {knob_key(knobs): scores for knobs, scores in _measured_trials(results, spec)}
+        if len(costs) < space:
+            raise ValueError(f"{spec_name}: {len(costs)} of {space} candidates measured; evaluating a search needs the exhaustive run")
+        budget = max(1, int(space * budget_fraction))
+        evaluation = evaluate(rule, spec, costs, budget, seeds)
+        for index, (max_rows, _) in enumerate(ROW_BUCKETS):
+            per_bucket = {strategy: evaluation[strategy][index] for strategy in evaluation}
+            rows.append({"spec": spec_name, "max_rows": max_rows, "space": space, "budget": budget, **per_bucket})
     return rows
 
 
