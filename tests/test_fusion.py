@@ -28,13 +28,17 @@ def _fresh_compiles():
 
 @torch.library.custom_op("tvm_rmsquant_test::reference_site", mutates_args=())
 def reference_site(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, variant: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One norm -> quant site computed by the reference ops, opaque to Inductor like our fused op."""
+    """One norm -> quant site computed by the reference ops, opaque to Inductor like our fused op.
+
+    On the CPU, as every GPU check does: eager torch on CUDA is not the contract itself
+    (its rsqrt is not IEEE), so a CUDA reference would differ from the kernel by design.
+    """
     spec = VariantSpec.parse(variant)
-    y, updated = reference.rms_norm(x, weight, eps, residual)
+    y, updated = reference.rms_norm(x.cpu(), weight.cpu(), eps, None if residual is None else residual.cpu())
     q, scales = reference.group_quant(y, spec)
     laid_out = reference.empty_scales(spec, x.shape[0], x.shape[1], x.device)
     laid_out.copy_(scales)
-    return q, laid_out, (updated if residual is not None else x).clone()
+    return q.to(x.device), laid_out, (updated.to(x.device) if residual is not None else x.clone())
 
 
 @reference_site.register_fake
@@ -56,11 +60,11 @@ def _model(kind: str, device):
 
 def _assert_codes_match(got, want):
     """fp8 codes equal except rare flips from last-bit fp32 rounding: at most 1 in 1000, each one fp8 step."""
+    fractions = [(a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item() for a, b in zip(got, want)]
+    assert max(fractions) <= 1e-3, f"fraction of codes that differ, per site: {fractions}"
     for a, b in zip(got, want):
         a8, b8 = a.view(torch.uint8).int(), b.view(torch.uint8).int()
-        differ = a8 != b8
-        assert differ.float().mean() <= 1e-3
-        assert ((a8 - b8)[differ].abs() <= 1).all(), "a code differs by more than one fp8 step"
+        assert ((a8 - b8)[a8 != b8].abs() <= 1).all(), "a code differs by more than one fp8 step"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -73,8 +77,8 @@ def test_every_norm_quant_site_is_fused_in_one_graph_and_matches_the_unfused_mod
     Not against eager: Inductor's own kernels drift from eager in later layers (the VL
     model's last site differs in 2.3% of codes on CPU). Not with the sites' reference ops
     open to Inductor: torch 2.11 on CUDA drops the contract's bf16 round trips there (3% of
-    codes differ, docs/perf.md). Not with the sites eager: the graph breaks change how
-    Inductor fuses the rest (3.8% of one site's codes differed on the H200).
+    codes differ, docs/perf.md). Not with the reference on CUDA: 3.8% (Llama) and 0.13%
+    (VL) of one site's codes differed from it on the H200, with the sites eager or opaque.
     """
     model, inputs = _model(kind, device)
     torch._dynamo.reset()
