@@ -7,9 +7,10 @@ machine has no compiler, a live search goes in rounds (``tune build`` proposes f
 results, ``tune measure`` times them), and a strategy is judged by replaying it against an
 exhaustive measurement (``evaluate``), where each trial is one lookup of measured costs.
 
-``evolve``: start from the hand-picked knobs plus a random one, then repeatedly mutate
-one of the best few found so far for some bucket, one knob moved to a neighbouring value
-of its range; fall back to a random untried candidate when no neighbour is left.
+``evolve``: start from the hand-picked knobs plus a random one; then, the buckets taking
+turns, move one knob of the bucket's best candidate so far to a neighbouring value of its
+range (the next best when the best has no untried neighbour left), falling back to a
+random untried candidate.
 """
 
 from __future__ import annotations
@@ -44,21 +45,19 @@ def neighbours(rule: ScheduleRule, spec: VariantSpec, knobs: Knobs) -> List[Knob
     return found
 
 
-def _parents(measured: Sequence[Trial], elite: int) -> List[Knobs]:
-    """The ``elite`` best trials of each objective, best first, without repeats."""
-    objectives = len(measured[0][1]) if measured else 0
-    parents: Dict[Tuple, Knobs] = {}
-    for rank in range(elite):
-        for objective in range(objectives):
-            ranked = sorted((t for t in measured if math.isfinite(t[1][objective])), key=lambda t: t[1][objective])
-            if rank < len(ranked):
-                parents.setdefault(_key(ranked[rank][0]), ranked[rank][0])
-    return list(parents.values())
+def _ranked(measured: Sequence[Trial], objective: int) -> List[Knobs]:
+    """Measured knobs, best first for ``objective`` (failed ones left out)."""
+    finite = [trial for trial in measured if math.isfinite(trial[1][objective])]
+    return [knobs for knobs, _ in sorted(finite, key=lambda trial: trial[1][objective])]
 
 
 def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Trial], count: int, seed: int = 0,
-                   elite: int = 2, initial_random: int = 1) -> List[Knobs]:
-    """The next ``count`` untried knobs, given the trials ``measured`` so far."""
+                   initial_random: int = 1) -> List[Knobs]:
+    """The next ``count`` untried knobs, given the trials ``measured`` so far.
+
+    Objectives take turns; each proposal is an untried neighbour of the best trial of its
+    objective that still has one (a hill climb per M bucket sharing one trial budget).
+    """
     rng = random.Random(seed)
     everything = list(rule.candidates(spec))
     tried = {_key(knobs) for knobs, _ in measured}
@@ -77,13 +76,16 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
                 break
             if _key(knobs) not in tried:
                 take(knobs)
-    parents = _parents(measured, elite)
+    objectives = len(measured[0][1]) if measured else 1
     while len(proposals) < count and len(tried) < len(everything):
-        children = [child for parent in parents + proposals[-1:] for child in neighbours(rule, spec, parent) if _key(child) not in tried]
-        if children:
-            take(rng.choice(children))
-        else:
-            take(rng.choice([knobs for knobs in everything if _key(knobs) not in tried]))
+        objective = (len(measured) + len(proposals)) % objectives
+        parents = _ranked(measured, objective) if measured else proposals
+        children = []
+        for parent in parents:
+            children = [child for child in neighbours(rule, spec, parent) if _key(child) not in tried]
+            if children:
+                break
+        take(rng.choice(children) if children else rng.choice([knobs for knobs in everything if _key(knobs) not in tried]))
     return proposals
 
 

@@ -45,10 +45,14 @@ def test_the_occupancy_knob_becomes_a_launch_bounds_hint():
 
 
 def _synthetic_costs(spec):
-    """A smooth cost over the real space: best at vector 8, 2 groups per thread, 4 blocks/SM."""
+    """Smooth costs over the real space, one per M bucket: best at vector 8, 4 blocks/SM, and
+    1, 2 and 4 groups per thread for small, medium and large M."""
     rule = rule_by_name(default_schedule(spec)[0])
-    cost = lambda k: 10 * (1 + 0.2 * abs(math.log2(k["groups_per_thread"] / 2)) + 0.1 * (k["vector"] != 8) + 0.03 * abs(k["min_blocks_per_sm"] - 4) / 4)  # noqa: E731
-    return rule, {knob_key(k): cost(k) for k in rule.candidates(spec)}
+
+    def cost(k, best_groups):
+        return 10 * (1 + 0.2 * abs(math.log2(k["groups_per_thread"] / best_groups)) + 0.1 * (k["vector"] != 8) + 0.03 * abs(k["min_blocks_per_sm"] - 4) / 4)
+
+    return rule, {knob_key(k): tuple(cost(k, groups) for groups in (1, 2, 4)) for k in rule.candidates(spec)}
 
 
 def test_search_strategies_propose_distinct_valid_knobs_within_the_budget():
@@ -60,8 +64,8 @@ def test_search_strategies_propose_distinct_valid_knobs_within_the_budget():
     start = rule.default(SPEC)
     assert all(sum(start[name] != k[name] for name in start) == 1 for k in neighbours(rule, SPEC, start))
     # evolve starts from the hand-picked knobs, then proposes only untried ones
-    first = propose_evolve(rule, SPEC, [], 3)
-    assert first[0] == start and len(first) == 3
+    first = propose_evolve(rule, SPEC, [], 2)
+    assert first[0] == start and len(first) == 2
     later = propose_evolve(rule, SPEC, [(k, costs[knob_key(k)]) for k in first], 4)
     assert not {knob_key(k) for k in later} & {knob_key(k) for k in first}
 
@@ -71,11 +75,13 @@ def test_evaluate_replays_strategies_against_an_exhaustive_table():
     budget = len(costs) // 4
     result = evaluate(rule, SPEC, costs, budget, seeds=20)
     for strategy in ("random", "evolve"):
-        curve = result[strategy]["median_curve"]
-        assert len(curve) == budget and curve == sorted(curve, reverse=True) and curve[-1] >= 1.0
-        assert 0 <= result[strategy]["within_tolerance"] <= 1
-    # on a smooth landscape the neighbour search beats uniform sampling
-    assert result["evolve"]["median_gap"] <= result["random"]["median_gap"]
+        assert len(result[strategy]) == len(ROW_BUCKETS)
+        for bucket in result[strategy]:
+            curve = bucket["median_curve"]
+            assert len(curve) == budget and curve == sorted(curve, reverse=True) and curve[-1] >= 1.0
+            assert 0 <= bucket["within_tolerance"] <= 1
+    # on a smooth landscape the neighbour search beats uniform sampling in every bucket
+    assert all(e["median_gap"] <= r["median_gap"] for e, r in zip(result["evolve"], result["random"]))
 
 
 def test_buckets_cover_every_m():
@@ -172,7 +178,10 @@ def test_record_keeps_the_fastest_per_bucket_and_never_one_slower_than_hand_pick
     default = default_schedule(SPEC)[1]
     faster = {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 0}
     wrong = {"vector": 8, "groups_per_thread": 8, "min_blocks_per_sm": 0}
+    marginal = {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 0}
     results = _results([(default, 1.0), (faster, 0.9), (wrong, 0.5)])
+    # a gain below tune.MIN_GAIN is not evidence: the hand-picked schedule stays
+    assert all(r.knobs == default for r in tune.best_records(_results([(default, 1.0), (marginal, 0.97)])))
     results["candidates"][2]["dropped"] = "M=1: WRONG: codes identical 0.5"
     records = tune.best_records(results)
     assert [(r.max_rows, r.knobs) for r in records] == [(64, faster), (1024, faster), (None, faster)]
@@ -187,14 +196,14 @@ def test_record_keeps_the_fastest_per_bucket_and_never_one_slower_than_hand_pick
 
 def test_report_ranks_plots_and_evaluates_the_search_on_an_exhaustive_run(tmp_path):
     rule, costs = _synthetic_costs(SPEC)
-    results = _results([(dict(key), cost / 10) for key, cost in costs.items()])
+    results = _results([(dict(key), cost[0] / 10) for key, cost in costs.items()])
     lines = []
     summary = tune.report(results, tmp_path, log=lines.append)
     assert (tmp_path / "knob_heatmap.png").stat().st_size > 0 and (tmp_path / "best_so_far.png").stat().st_size > 0
     assert len(summary["search"]) == len(ROW_BUCKETS) and all(row["budget"] == len(costs) // 4 for row in summary["search"])
     assert any(line.startswith(f"{SPEC.name:34s} M<=64") for line in lines)
-    best = min(costs, key=costs.get)
-    assert all(knob_key(r["knobs"]) == best for r in summary["records"])
+    best = min(costs, key=lambda key: costs[key][0])
+    assert all(knob_key(r["knobs"]) == best for r in summary["records"])  # 40% faster than hand-picked
 
 
 def test_tune_cli_refuses_what_it_cannot_do(tmp_path, capsys):
