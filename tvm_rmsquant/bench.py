@@ -1,9 +1,9 @@
 """GPU benchmark: our kernels against the peers a user would pick instead.
 
 Every provider's output is checked against the reference (tvm_rmsquant.checks) before
-it is timed. Timing: median of CUDA-event measurements; shapes with M <= 256 run as a
-CUDA graph of many calls so launch gaps do not count; inputs rotate among enough copies
-to exceed the L2 cache. The floor is the bytes the op must move (x, r, w read once; q,
+it is timed. Timing: median of CUDA-event measurements of CUDA-graph replays of many calls,
+so that launch gaps and host time do not count; inputs rotate among enough copies to
+exceed the L2 cache. The floor is the bytes the op must move (x, r, w read once; q,
 scales, r written once) over the device-to-device copy bandwidth measured in the same run.
 """
 
@@ -23,8 +23,11 @@ from .checks import compare, random_inputs
 from .spec import VariantSpec, scale_geometry
 
 L2_BYTES = 60 * 2**20
+#: Calls per timed graph: GRAPH_CALLS up to M = GRAPH_ROWS, fewer (at least
+#: MIN_GRAPH_CALLS) for larger M so that one replay stays near a few milliseconds.
 GRAPH_ROWS = 256
 GRAPH_CALLS = 100
+MIN_GRAPH_CALLS = 10
 
 
 @dataclasses.dataclass
@@ -75,32 +78,29 @@ def copy_ceiling(gigabytes: float = 4.0) -> float:
 
 
 def time_call(make_call: Callable[[int], Callable[[], None]], copies: int, rows: int) -> float:
-    """Microseconds per call; ``make_call(i)`` runs on input copy i."""
+    """Microseconds per call; ``make_call(i)`` runs on input copy i.
+
+    Every M runs as CUDA-graph replays of back-to-back calls: events around one eager call
+    would also count the host's launch time, which the GPU waits out after the start event.
+    """
     calls = [make_call(i) for i in range(copies)]
     for call in calls:
         call()
     torch.cuda.synchronize()
-    if rows <= GRAPH_ROWS:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for call in calls:
-                call()
-            with torch.cuda.graph(graph, stream=stream):
-                for index in range(GRAPH_CALLS):
-                    calls[index % copies]()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        return _events_median(graph.replay, 20) * 1e3 / GRAPH_CALLS
-    index = [0]
-
-    def rotate():
-        calls[index[0] % copies]()
-        index[0] += 1
-
-    return _events_median(rotate, 50) * 1e3
+    per_graph = max(MIN_GRAPH_CALLS, GRAPH_CALLS * GRAPH_ROWS // max(rows, GRAPH_ROWS))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+        with torch.cuda.graph(graph, stream=stream):
+            for index in range(per_graph):
+                calls[index % copies]()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return _events_median(graph.replay, 20) * 1e3 / per_graph
 
 
 class OursProvider:
