@@ -4,6 +4,7 @@
 #   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile tune   (default: all but tune)
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
 #   SWEEP_ROWS, SWEEP_FORMATS  the M values and layout:format pairs of the sweep stage
+#   TUNE_SPECS                 space-separated spec names: the tune stage measures only these
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz.
 set -uo pipefail
@@ -53,7 +54,8 @@ for stage in $STAGES; do
       # Candidate bundles from `tune build`: checked, then timed; one results JSON each.
       for bundle in artifacts/tune_*; do
         echo "== $bundle" >> "$RESULTS/tune.log"
-        python3 -P -m tvm_rmsquant tune measure "$bundle" --out "$RESULTS/$(basename "$bundle").json" >> "$RESULTS/tune.log" 2>&1 || status=1
+        python3 -P -m tvm_rmsquant tune measure "$bundle" ${TUNE_SPECS:+$(printf -- '--spec %s ' $TUNE_SPECS)} \
+          --out "$RESULTS/$(basename "$bundle").json" >> "$RESULTS/tune.log" 2>&1 || status=1
       done
       grep -E "==|ceiling|DROPPED|wrote|Error" "$RESULTS/tune.log" | head -n 40 ;;
     compile)

@@ -268,6 +268,9 @@ def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, tool
     first = bundle.candidates()[f"{SPEC.name}__t000"]
     assert first["knobs"] == default_schedule(SPEC)[1] and first["ptxas"]["registers"] > 0
     assert set(builder.plan_candidates({SPEC: [("row_resident", default_schedule(SPEC)[1])] * 9})) == {f"cand_{SPEC.name}_0", f"cand_{SPEC.name}_1"}
+    # measure refuses a spec the bundle has no candidates for before it touches a GPU
+    with pytest.raises(ValueError, match=r"--spec \['bf16_k7168_g128_row_fp32'\] has no candidates"):
+        tune.measure_candidates(bundle, specs=[VariantSpec("bf16", 7168)])
 
 
 def test_the_build_refuses_an_unreadable_tuning_database_before_building(tmp_path, capsys, toolchain_or_skip):

@@ -86,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     tune_measure = tune.add_parser("measure", help="check and time a candidate bundle's kernels on the GPU (torch + tvm-ffi only)")
     tune_measure.add_argument("bundle", type=Path)
     tune_measure.add_argument("--rows", type=_parse_hidden, help="M values (default: every M bucket's timed values)")
+    tune_measure.add_argument("--spec", action="append", type=_parse_spec, help="only this spec's candidates (repeatable)")
     tune_measure.add_argument("--out", type=Path, required=True, help="results JSON to write")
     tune_report = tune.add_parser("report", help="ranking, knob heat-map and best-so-far plots from results")
     tune_report.add_argument("results", type=Path)
@@ -221,7 +222,11 @@ def _tune(args) -> int:
         print(report.summary())
         return 0
     if args.tune_command == "measure":
-        tune.measure_candidates(_open(args.bundle), args.rows or tune.MEASURED_ROWS, out=args.out)
+        try:
+            tune.measure_candidates(_open(args.bundle), args.rows or tune.MEASURED_ROWS, out=args.out, specs=args.spec)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         print(f"wrote {args.out}")
         return 0
     results = _read_results(args.results)

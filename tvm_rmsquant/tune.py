@@ -109,9 +109,11 @@ def gpu_target(bundle) -> Dict[str, str]:
     }
 
 
-def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: float = 1e-6, log=print, out: Optional[Path] = None) -> Dict:
-    """Check then time every candidate of a candidate bundle over ``rows_list``; the results so
-    far are rewritten to ``out`` after each spec, so a run cut short keeps what it measured."""
+def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: float = 1e-6, log=print, out: Optional[Path] = None,
+                       specs: Optional[Sequence[VariantSpec]] = None) -> Dict:
+    """Check then time the candidates of a candidate bundle (those of ``specs``, if given) over
+    ``rows_list``; the results so far are rewritten to ``out`` after each spec, so a run cut
+    short keeps what it measured."""
     import torch
 
     from . import launch, reference
@@ -121,10 +123,15 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
     candidates = bundle.candidates()
     if not candidates:
         raise ValueError(f"bundle {bundle.path} holds no tuning candidates; build one with `python -m tvm_rmsquant tune build`")
-    bundle.check_device(torch.cuda.get_device_capability())
     by_spec: Dict[str, List[Tuple[str, Dict]]] = {}
     for symbol, entry in sorted(candidates.items()):
         by_spec.setdefault(VariantSpec.from_json(entry["spec"]).name, []).append((symbol, entry))
+    if specs:
+        missing = sorted({spec.name for spec in specs} - set(by_spec))
+        if missing:
+            raise ValueError(f"--spec {missing} has no candidates in {bundle.path}; it holds {sorted(by_spec)}")
+        by_spec = {name: entries for name, entries in by_spec.items() if name in {spec.name for spec in specs}}
+    bundle.check_device(torch.cuda.get_device_capability())
     results = {"target": gpu_target(bundle), "ceiling_gbps": copy_ceiling(), "rows": list(rows_list), "candidates": []}
     log(f"copy ceiling (read+write): {results['ceiling_gbps']:.0f} GB/s; {len(candidates)} candidates of {len(by_spec)} specs")
     for spec_name, entries in by_spec.items():
