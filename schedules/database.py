@@ -29,7 +29,6 @@ DEFAULT_DATABASE = Path(__file__).with_name("tuning_db.json")
 ROW_BUCKETS: Tuple[Tuple[Optional[int], Tuple[int, ...]], ...] = ((64, (1, 16, 64)), (1024, (256, 1024)), (None, (4096, 16384)))
 #: Target fields that must equal the build's for a record to be used.
 MATCHED_FIELDS = ("compute_capability", "tvm", "tvm_ffi", "cuda")
-TARGET_FIELDS = ("gpu", "compute_capability", "driver", "cuda", "tvm", "tvm_ffi")
 
 
 def cuda_release(nvcc_version: str) -> str:
@@ -132,10 +131,13 @@ class TuningDatabase:
         kept = [r for r in self.records if (r.spec, r.max_rows, r.target.get("gpu")) not in replaced]
         return TuningDatabase(kept + list(new), self.path)
 
-    def for_build(self, build_target: Dict[str, str]) -> Tuple["TunedSchedules", List[str]]:
-        """The records this build may use, and one line per rejected record saying why."""
+    def for_build(self, build_target: Dict[str, str], spec_names: Optional[Sequence[str]] = None) -> Tuple["TunedSchedules", List[str]]:
+        """The records this build may use, and one line per rejected record saying why
+        (only records of ``spec_names``, where given: the specs being built)."""
         usable, rejected = {}, []
         for record in self.records:
+            if spec_names is not None and record.spec not in spec_names:
+                continue
             reason = record.mismatch(build_target)
             if reason is None:
                 usable[record.key()] = record
@@ -161,6 +163,3 @@ class TunedSchedules:
                 chosen.pop()
             chosen.append((max_rows, rule, knobs))
         return chosen
-
-    def used(self) -> List[Record]:
-        return list(self.records.values())

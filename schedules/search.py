@@ -28,7 +28,8 @@ from .base import Knobs, ScheduleRule
 Trial = Tuple[Knobs, Tuple[float, ...]]
 
 
-def _key(knobs: Knobs) -> Tuple[Tuple[str, int], ...]:
+def knob_key(knobs: Knobs) -> Tuple[Tuple[str, int], ...]:
+    """The hashable form of ``knobs``, which ``evaluate``'s cost table is keyed by."""
     return tuple(sorted(knobs.items()))
 
 
@@ -60,11 +61,11 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
     """
     rng = random.Random(seed)
     everything = list(rule.candidates(spec))
-    tried = {_key(knobs) for knobs, _ in measured}
+    tried = {knob_key(knobs) for knobs, _ in measured}
     proposals: List[Knobs] = []
 
     def take(knobs: Knobs) -> None:
-        tried.add(_key(knobs))
+        tried.add(knob_key(knobs))
         proposals.append(knobs)
 
     if not measured:
@@ -74,7 +75,7 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
         for knobs in rng.sample(everything, len(everything)):
             if len(proposals) >= min(count, 1 + initial_random):
                 break
-            if _key(knobs) not in tried:
+            if knob_key(knobs) not in tried:
                 take(knobs)
     objectives = len(measured[0][1]) if measured else 1
     while len(proposals) < count and len(tried) < len(everything):
@@ -82,10 +83,10 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
         parents = _ranked(measured, objective) if measured else proposals
         children = []
         for parent in parents:
-            children = [child for child in neighbours(rule, spec, parent) if _key(child) not in tried]
+            children = [child for child in neighbours(rule, spec, parent) if knob_key(child) not in tried]
             if children:
                 break
-        take(rng.choice(children) if children else rng.choice([knobs for knobs in everything if _key(knobs) not in tried]))
+        take(rng.choice(children) if children else rng.choice([knobs for knobs in everything if knob_key(knobs) not in tried]))
     return proposals
 
 
@@ -123,7 +124,7 @@ def evaluate(rule: ScheduleRule, spec: VariantSpec, costs: Dict[Tuple, Tuple[flo
     """
     objectives = len(next(iter(costs.values())))
     missing = (math.inf,) * objectives
-    lookup = lambda knobs: costs.get(_key(knobs), missing)  # noqa: E731  (a knob the run did not time)
+    lookup = lambda knobs: costs.get(knob_key(knobs), missing)  # noqa: E731  (a knob the run did not time)
     out = {}
     for strategy in ("random", "evolve"):
         histories = [run_search(strategy, rule, spec, lookup, budget, seed) for seed in range(seeds)]
@@ -138,9 +139,4 @@ def evaluate(rule: ScheduleRule, spec: VariantSpec, costs: Dict[Tuple, Tuple[flo
                 "median_curve": [statistics.median(curve[i] for curve in curves) / exhaustive for i in range(budget)],
             })
     return out
-
-
-def knob_key(knobs: Knobs):
-    """The hashable form of ``knobs`` that ``evaluate``'s cost table is keyed by."""
-    return _key(knobs)
 

@@ -34,8 +34,8 @@ def main(handpicked_csv, tuned_csv):
             if math.isnan(before) or math.isnan(after):
                 continue
             ratios.append(before / after)
-            print(f"| {spec} | ≤{max_rows} | {before:.2f} | {after:.2f} | {before / after:.3f}× |" if max_rows else
-                  f"| {spec} | >{ROW_BUCKETS[-2][0]} | {before:.2f} | {after:.2f} | {before / after:.3f}× |")
+            bucket = f"≤{max_rows}" if max_rows else f">{ROW_BUCKETS[-2][0]}"
+            print(f"| {spec} | {bucket} | {before:.2f} | {after:.2f} | {before / after:.3f}× |")
     print(f"\n{len(ratios)} (spec, bucket) pairs: speed-up min {min(ratios):.3f}×, geomean "
           f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}×, max {max(ratios):.3f}×")
 

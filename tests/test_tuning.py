@@ -104,6 +104,7 @@ def test_the_database_uses_matching_records_and_rejects_the_rest_with_a_reason(t
     assert list(tuned.records) == [(SPEC.name, 64)]
     assert any("tvm='0.26.0', the build has '0.27.0.post1'" in line for line in rejected)
     assert any("refuses knobs" in line and "does not divide" in line for line in rejected)
+    assert database.for_build(BUILD, {"bf16_k7168_g128_row_fp32"})[1] == []  # only the specs being built are considered
     _, on_other_gpu = database.for_build({**BUILD, "gpu": "NVIDIA H100"})
     assert len(on_other_gpu) == 3 and "gpu='NVIDIA H200'" in on_other_gpu[0]
 

@@ -113,15 +113,19 @@ class OursProvider:
         return spec in self.bundle
 
     def prepare(self, spec: VariantSpec, inputs: Dict, eps: float):
-        """Returns (call, outputs): ``call()`` writes ``outputs`` = (q, scales, residual_out)."""
-        x = inputs["x"]
-        rows, hidden = x.shape
-        function = self.bundle.function(spec.name)
-        q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = reference.empty_scales(spec, rows, hidden, x.device)
-        residual_out = torch.empty_like(x) if spec.residual else None
-        args = launch.kernel_args(spec, x, inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
-        return (lambda: function(*args)), (q, scales, residual_out)
+        return kernel_call(self.bundle.function(spec.name), spec, inputs, eps)
+
+
+def kernel_call(function, spec: VariantSpec, inputs: Dict, eps: float):
+    """(call, outputs) for one kernel function on ``inputs``: ``call()`` writes ``outputs`` =
+    (q, scales, residual_out), allocated here once."""
+    x = inputs["x"]
+    rows, hidden = x.shape
+    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = reference.empty_scales(spec, rows, hidden, x.device)
+    residual_out = torch.empty_like(x) if spec.residual else None
+    args = launch.kernel_args(spec, x, inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
+    return (lambda: function(*args)), (q, scales, residual_out)
 
 
 class ReferenceProvider:

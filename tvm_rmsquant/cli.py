@@ -138,9 +138,8 @@ def _build(args) -> int:
             return 2
         from .loader import ARCH_CAPABILITY
 
-        tuned, rejected = database.for_build(build_target(builder.toolchain(), ARCH_CAPABILITY[builder.TARGET_ARCH], args.tuning_gpu))
-        names = {spec.name for spec in specs}
-        tuned.records = {key: record for key, record in tuned.records.items() if key[0] in names}
+        target = build_target(builder.toolchain(), ARCH_CAPABILITY[builder.TARGET_ARCH], args.tuning_gpu)
+        tuned, rejected = database.for_build(target, {spec.name for spec in specs})
         print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
         for reason in rejected:
             print(f"  rejected {reason}")

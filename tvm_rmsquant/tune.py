@@ -116,8 +116,8 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
     short keeps what it measured."""
     import torch
 
-    from . import launch, reference
-    from .bench import L2_BYTES, copy_ceiling, op_bytes, time_call
+    from . import reference
+    from .bench import L2_BYTES, copy_ceiling, kernel_call, op_bytes, time_call
     from .checks import compare, random_inputs
 
     candidates = bundle.candidates()
@@ -133,7 +133,7 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
         by_spec = {name: entries for name, entries in by_spec.items() if name in {spec.name for spec in specs}}
     bundle.check_device(torch.cuda.get_device_capability())
     results = {"target": gpu_target(bundle), "ceiling_gbps": copy_ceiling(), "rows": list(rows_list), "candidates": []}
-    log(f"copy ceiling (read+write): {results['ceiling_gbps']:.0f} GB/s; {len(candidates)} candidates of {len(by_spec)} specs")
+    log(f"copy ceiling (read+write): {results['ceiling_gbps']:.0f} GB/s; {sum(map(len, by_spec.values()))} candidates of {len(by_spec)} specs")
     for spec_name, entries in by_spec.items():
         spec = VariantSpec.parse(spec_name)
         hidden = spec.hidden
@@ -153,25 +153,14 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
                 if dropped[symbol] is not None:
                     continue
                 function = functions[symbol]
-
-                def make_call(index, function=function):
-                    inputs = input_sets[index]
-                    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device="cuda")
-                    scales = reference.empty_scales(spec, rows, hidden, "cuda")
-                    residual_out = torch.empty_like(inputs["x"]) if spec.residual else None
-                    args = launch.kernel_args(spec, inputs["x"], inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
-                    call = lambda: function(*args)  # noqa: E731
-                    call.outputs = (q, scales, residual_out)
-                    return call
-
-                check = make_call(0)
+                check, outputs = kernel_call(function, spec, input_sets[0], eps)
                 check()
-                agreement = compare(spec, check.outputs, want, hidden)
+                agreement = compare(spec, outputs, want, hidden)
                 if not agreement.passed:
                     dropped[symbol] = f"M={rows}: WRONG: {agreement.describe()}"
                     log(f"DROPPED {symbol}: {dropped[symbol]}")
                     continue
-                rows_out[symbol][rows] = time_call(make_call, copies, rows)
+                rows_out[symbol][rows] = time_call(lambda index, function=function: kernel_call(function, spec, input_sets[index], eps)[0], copies, rows)
         for symbol, entry in entries:
             results["candidates"].append({
                 "symbol": symbol,
