@@ -310,6 +310,9 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
         for variant in variants:
             entry = variant.manifest_entry(f"{name}.so", figures)
             if variant.candidate:
+                from . import lower  # imports TVM: only candidate bundles need it here
+
+                entry["kernel_digest"] = lower.kernel_digest(variant.spec, variant.rule, dict(variant.knobs))
                 manifest.setdefault("candidates", {})[variant.symbol] = entry
             elif variant.max_rows is None:
                 manifest["variants"].setdefault(variant.spec.name, {}).update(entry)

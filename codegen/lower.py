@@ -7,6 +7,8 @@ turns into a library needing only libtvm_ffi and libcudart.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Dict, Iterable, Tuple
@@ -34,6 +36,15 @@ def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: s
     rule = rule_by_name(rule_name)
     sch = rule.apply(expr.prim_func(spec), spec, knobs)
     return sch.mod["main"].with_attr("global_symbol", launch.grouped_symbol(symbol))
+
+
+def kernel_digest(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]) -> str:
+    """The identity of the kernel that (spec, rule, knobs) makes with this code: a hash of its
+    scheduled TIR and knobs. A tuning record carries the digest of the kernel it measured,
+    so that a change to the tensor expression or to a rule voids it instead of reusing it."""
+    scheduled = rule_by_name(rule_name).apply(expr.prim_func(spec), spec, knobs).mod["main"]
+    payload = scheduled.script() + json.dumps(knobs, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def with_min_blocks_per_sm(source: str, kernel: str, blocks: int) -> str:

@@ -3,9 +3,11 @@
 Records come from ``python -m tvm_rmsquant tune measure`` on a GPU and are consumed by the
 offline build. A record is used only where its target matches the build: the compute
 capability of the bundle's machine code, and the apache-tvm, apache-tvm-ffi and CUDA
-versions that generate and compile the kernel (and the GPU, when the build names one).
-Anything else is rejected with the reason, never silently used. The driver is recorded
-but not matched: it does not change the generated code.
+versions that generate and compile the kernel (and the GPU, when the build names one),
+and the kernel itself: the record's kernel digest must equal the one this code makes for
+its (spec, rule, knobs), as TVM's meta_schedule matches a record to its workload. Anything
+else is rejected with the reason, never silently used. The driver is recorded but not
+matched: it does not change the generated code.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tvm_rmsquant.spec import VariantSpec
 
 from . import rule_by_name
 from .base import Knobs
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: The database committed with the package; the build reads it unless told otherwise.
 DEFAULT_DATABASE = Path(__file__).with_name("tuning_db.json")
 #: M buckets as (max_rows, the M values timed for it); the last takes every larger M.
@@ -77,12 +79,15 @@ class Record:
     microseconds: float
     default_microseconds: float
     target: Dict[str, str]
+    #: ``codegen.lower.kernel_digest`` of the kernel measured: the build recomputes it.
+    kernel_digest: str
 
     def key(self) -> Tuple[str, Optional[int]]:
         return self.spec, self.max_rows
 
-    def mismatch(self, build_target: Dict[str, str]) -> Optional[str]:
-        """Why this record cannot be used by a build for ``build_target``, or None."""
+    def mismatch(self, build_target: Dict[str, str], kernel_digest: Optional[Callable[[VariantSpec, str, Knobs], str]] = None) -> Optional[str]:
+        """Why this record cannot be used by a build for ``build_target``, or None.
+        ``kernel_digest(spec, rule, knobs)`` is the build's digest of the kernel the record names."""
         for field in MATCHED_FIELDS + (("gpu",) if build_target.get("gpu") else ()):
             if str(self.target.get(field)) != str(build_target[field]):
                 return f"measured with {field}={self.target.get(field)!r}, the build has {build_target[field]!r}"
@@ -91,7 +96,14 @@ class Record:
             reason = rule_by_name(self.rule).check(spec, self.knobs)
         except (ValueError, KeyError) as error:
             reason = str(error)
-        return None if reason is None else f"rule {self.rule!r} refuses knobs {self.knobs}: {reason}"
+        if reason is not None:
+            return f"rule {self.rule!r} refuses knobs {self.knobs}: {reason}"
+        if kernel_digest is not None:
+            current = kernel_digest(spec, self.rule, self.knobs)
+            if current != self.kernel_digest:
+                return (f"measured on another kernel (digest {self.kernel_digest}; this code makes {current}): "
+                        f"the tensor expression or rule {self.rule!r} changed since, so re-tune it")
+        return None
 
 
 @dataclasses.dataclass
@@ -131,14 +143,15 @@ class TuningDatabase:
         kept = [r for r in self.records if (r.spec, r.max_rows, r.target.get("gpu")) not in replaced]
         return TuningDatabase(kept + list(new), self.path)
 
-    def for_build(self, build_target: Dict[str, str], spec_names: Optional[Sequence[str]] = None) -> Tuple["TunedSchedules", List[str]]:
+    def for_build(self, build_target: Dict[str, str], spec_names: Optional[Sequence[str]] = None,
+                  kernel_digest: Optional[Callable[[VariantSpec, str, Knobs], str]] = None) -> Tuple["TunedSchedules", List[str]]:
         """The records this build may use, and one line per rejected record saying why
         (only records of ``spec_names``, where given: the specs being built)."""
         usable, rejected = {}, []
         for record in self.records:
             if spec_names is not None and record.spec not in spec_names:
                 continue
-            reason = record.mismatch(build_target)
+            reason = record.mismatch(build_target, kernel_digest)
             if reason is None:
                 usable[record.key()] = record
             else:

@@ -59,6 +59,7 @@ class DynamicRows(ScheduleRule):
 
         sch.compute_inline(block("h"))
         sch.compute_inline(block("y"))
+        sch.compute_inline(block("ratio"))
         q_store = sch.cache_write(block("q"), 0, "local")
         residual_store = sch.cache_write(block("residual"), 0, "local") if spec.residual else None
         if packed:

@@ -23,6 +23,10 @@ MAX_THREADS = 1024
 WARP = 32
 #: fp32 values of the row held per thread (h and y); past this ptxas spills.
 MAX_RESIDENT = 64
+#: Vector widths of y (a 16-bit pair) and of q's cast (the widest fp32 -> fp8 cast that
+#: compiles, to packed cvt.rn.satfinite.e4m3x2).
+PAIR = 2
+PACKED_CAST = 4
 
 
 class RowResident(ScheduleRule):
@@ -108,18 +112,23 @@ class RowResident(ScheduleRule):
             scale_store = None
             sch.set_scope(block("scale"), 0, "local")
         else:
-            # q reads the register copy: every lane computes its own groups' scales.
-            scale_store = sch.cache_write(block("scale"), 0, "local", consumer_blocks=[block("q")])
+            # ratio reads the register copy: every lane computes its own groups' scales.
+            scale_store = sch.cache_write(block("scale"), 0, "local", consumer_blocks=[block("ratio")])
 
         row = sch.get_loops(block("h"))[0]
         sch.bind(row, "blockIdx.x")
         for child in sch.get_child_blocks(sch.get_sblock("root"))[1:]:
             sch.reverse_compute_at(child, row)
-        for name in ("h", "y", "sumsq", "rms", "absmax"):
+        for name in ("h", "y", "sumsq", "rms", "absmax", "ratio"):
             sch.set_scope(block(name), 0, "local")
 
-        for name in ("h", "y", "q") + (("residual",) if spec.residual else ()):
+        for name in ("h", "y", "ratio", "q") + (("residual",) if spec.residual else ()):
             bind_elements(name, vectorize=False)
+        # y in pairs: two lanes' 16-bit multiply is one HMUL2. q in vectors of up to 4:
+        # fp32x4 -> fp8x4 is two packed conversions (x8 miscompiles).
+        for name, width in (("y", PAIR), ("q", PACKED_CAST)):
+            _, lanes_of_vector = sch.split(sch.get_loops(block(name))[-1], [None, min(vector, width)])
+            sch.vectorize(lanes_of_vector)
         bind_elements(q_store, vectorize=True)
         if residual_store is not None:
             bind_elements(residual_store, vectorize=True)

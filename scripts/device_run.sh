@@ -3,8 +3,11 @@
 # then check and time the bundles built here and carried in artifacts/.
 #   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile tune   (default: all but tune)
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
+#   BENCH_PROVIDERS            the bench stage's providers (default: ours,triton); BENCH_SLOW_ROWS the M
+#                              values at which torch_compile/torch_eager run (default: all)
 #   SWEEP_ROWS, SWEEP_FORMATS  the M values and layout:format pairs of the sweep stage
 #   TUNE_SPECS                 space-separated spec names: the tune stage measures only these
+#   TUNE_BUNDLES               the candidate bundles the tune stage measures (default: artifacts/tune_*)
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz.
 set -uo pipefail
@@ -22,6 +25,7 @@ STAGES=${STAGES:-tests overhead sanitize sweep bench compile}
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$RESULTS/gpu.txt"
 for stage in $STAGES; do
+  echo "$(date -u +%T) stage $stage" | tee -a "$RESULTS/stages.log"
   case $stage in
     tests)
       python3 -P -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} > "$RESULTS/tests.log" 2>&1
@@ -47,12 +51,12 @@ for stage in $STAGES; do
       done
       grep -E "==|M= *(4096|16384)" "$RESULTS/sweep.log"; tar -czf "$RESULTS/sweep.tar.gz" -C /tmp sweep ;;
     bench)
-      python3 -P -m tvm_rmsquant bench --providers ours,triton --overhead --out /tmp/bench \
-        ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} > "$RESULTS/bench.log" 2>&1
+      python3 -P -m tvm_rmsquant bench --providers "${BENCH_PROVIDERS:-ours,triton}" --overhead --out /tmp/bench \
+        ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} ${BENCH_SLOW_ROWS:+--slow-rows $BENCH_SLOW_ROWS} > "$RESULTS/bench.log" 2>&1
       grep -E "ceiling|overhead|WRONG|ERROR|Error" "$RESULTS/bench.log" | head -n 30; tar -czf "$RESULTS/bench.tar.gz" -C /tmp bench ;;
     tune)
       # Candidate bundles from `tune build`: checked, then timed; one results JSON each.
-      for bundle in artifacts/tune_*; do
+      for bundle in ${TUNE_BUNDLES:-artifacts/tune_*}; do
         echo "== $bundle" >> "$RESULTS/tune.log"
         python3 -P -m tvm_rmsquant tune measure "$bundle" ${TUNE_SPECS:+$(printf -- '--spec %s ' $TUNE_SPECS)} \
           --out "$RESULTS/$(basename "$bundle").json" >> "$RESULTS/tune.log" 2>&1 || status=1
@@ -64,4 +68,5 @@ for stage in $STAGES; do
       tail -n 50 "$RESULTS/compile.log"; tar -czf "$RESULTS/compile.tar.gz" -C /tmp compile ;;
   esac
 done
+echo "$(date -u +%T) done" | tee -a "$RESULTS/stages.log"
 exit $status

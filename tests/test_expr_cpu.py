@@ -87,24 +87,25 @@ def te_cast(values):
     return result
 
 
-def test_quotient_is_the_correctly_rounded_division():
-    """y / s from one reciprocal per group is IEEE division, bit for bit, wherever the fp8 code can see it:
-    scales from the floor to 1e35, powers of two (UE8M0), inf and NaN; y across the fp32 range,
-    signed zeros, subnormals and infinities."""
+def _quotient_function(**forms):
+    """``expr.quotient`` with ``forms`` (bounded, power_of_two), built for llvm, as f(y, s) -> y / s."""
     from tvm import te
 
-    generator = torch.Generator().manual_seed(0)
-    y = torch.randn(4000, generator=generator) * torch.pow(10.0, torch.randint(-45, 38, (4000,), generator=generator).float())
-    y = torch.cat([y, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 448.0, -448.0, 3.3895e38, float("inf"), float("-inf"), float("nan")])])
-    s = torch.exp(torch.empty(600).uniform_(math.log(MIN_SCALE), math.log(1e35), generator=generator))
-    s = torch.cat([s, torch.tensor([MIN_SCALE, 1.0, 2.0**-17, 2.0**100, float("inf"), float("nan")])])
-    y, s = (grid.reshape(-1).contiguous() for grid in torch.meshgrid(y, s, indexing="ij"))
     n = te.var("n")
     numerator, denominator = te.placeholder((n,), "float32", name="y"), te.placeholder((n,), "float32", name="s")
-    out = te.compute((n,), lambda i: expr.quotient(numerator[i], denominator[i]), name="out")
+    out = te.compute((n,), lambda i: expr.quotient(numerator[i], denominator[i], **forms), name="out")
     function = tvm.compile(te.create_prim_func([numerator, denominator, out]), target="llvm")["main"]
-    result = torch.empty_like(y)
-    function(y, s, result)
+
+    def divide(y, s):
+        result = torch.empty_like(y)
+        function(y.contiguous(), s.contiguous(), result)
+        return result
+
+    return divide
+
+
+def _assert_is_the_division(result, y, s):
+    """Bit-equal to IEEE y / s (NaN where it is NaN); below |y| = 2^-100 equal as fp8 codes."""
     want = y / s
     assert torch.equal(result.isnan(), want.isnan())
     # Below 2^-100 the remainder can underflow, but |y / s| < 2^-82 is an fp8 zero of y's sign either way.
@@ -113,6 +114,51 @@ def test_quotient_is_the_correctly_rounded_division():
     assert not bool(different.any()), list(zip(y[different][:4].tolist(), s[different][:4].tolist()))
     tiny = ~want.isnan() & ~exact
     assert torch.equal(result[tiny].to(torch.float8_e4m3fn).view(torch.uint8), want[tiny].to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _values(count, generator):
+    """fp32 values across the whole range, signed zeros, subnormals, the fp8 limits, inf and NaN."""
+    y = torch.randn(count, generator=generator) * torch.pow(10.0, torch.randint(-45, 38, (count,), generator=generator).float())
+    return torch.cat([y, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 448.0, -448.0, 3.3895e38, float("inf"), float("-inf"), float("nan")])])
+
+
+def test_quotient_is_the_correctly_rounded_division():
+    """y / s from one reciprocal per group is IEEE division, bit for bit, wherever the fp8 code can see it:
+    scales from the floor to 1e35, powers of two (UE8M0), inf and NaN; y across the fp32 range,
+    signed zeros, subnormals and infinities (so also y / s overflowing, as under a scale_ub cap)."""
+    generator = torch.Generator().manual_seed(0)
+    y = _values(4000, generator)
+    s = torch.exp(torch.empty(600).uniform_(math.log(MIN_SCALE), math.log(1e35), generator=generator))
+    s = torch.cat([s, torch.tensor([MIN_SCALE, 1.0, 2.0**-17, 2.0**100, float("inf"), float("nan")])])
+    y, s = (grid.reshape(-1) for grid in torch.meshgrid(y, s, indexing="ij"))
+    _assert_is_the_division(_quotient_function()(y, s), y, s)
+
+
+def test_bounded_quotient_is_the_division_for_every_element_of_an_uncapped_group():
+    """Without a scale_ub cap, s = max(absmax / 448, floor) of a group holding y, so |y| <= 448 s;
+    or s = inf where the group holds an inf. There the quotient needs no per-element check."""
+    generator = torch.Generator().manual_seed(1)
+    y = _values(20000, generator)
+    finite = y[torch.isfinite(y)]
+    # The group's absmax: y itself, or a larger element (up to 1e4 x, capped at fp32's max).
+    absmax = torch.cat([finite.abs(), (finite.abs() * torch.exp(torch.empty(finite.numel()).uniform_(0, math.log(1e4), generator=generator))).clamp(max=3.4e38)])
+    numerators = torch.cat([finite, finite])
+    s = torch.clamp(absmax / 448.0, min=MIN_SCALE)
+    # A group holding an inf or NaN: s is inf or NaN for all its elements.
+    numerators = torch.cat([numerators, y, y])
+    s = torch.cat([s, torch.full_like(y, float("inf")), torch.full_like(y, float("nan"))])
+    _assert_is_the_division(_quotient_function(bounded=True)(numerators, s), numerators, s)
+
+
+def test_power_of_two_quotient_is_one_exact_multiply():
+    """UE8M0 scales are 2^n (n from the floor's -18 to 127), inf or NaN: y * (1 / s) is y / s exactly."""
+    generator = torch.Generator().manual_seed(2)
+    y = _values(4000, generator)
+    s = torch.cat([torch.pow(2.0, torch.arange(-18, 128).float()), torch.tensor([float("inf"), float("nan")])])
+    y, s = (grid.reshape(-1) for grid in torch.meshgrid(y, s, indexing="ij"))
+    result, want = _quotient_function(power_of_two=True)(y, s), y / s
+    assert torch.equal(result.isnan(), want.isnan())
+    assert torch.equal(result[~want.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))
 
 
 def test_portable_bf16_rounding_matches_torch():

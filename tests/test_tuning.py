@@ -2,6 +2,7 @@
 the build, per-M-bucket dispatch, and the report. CPU only; the GPU half is
 ``tune measure`` (docs/tuning.md)."""
 
+import importlib.util
 import json
 import math
 
@@ -9,7 +10,7 @@ import pytest
 
 from tvm_rmsquant.loader import by_rows
 from tvm_rmsquant.schedules import RULES, default_schedule, rule_by_name
-from tvm_rmsquant.schedules.database import ROW_BUCKETS, DatabaseError, Record, TuningDatabase, bucket_of, build_target
+from tvm_rmsquant.schedules.database import DEFAULT_DATABASE, ROW_BUCKETS, DatabaseError, Record, TuningDatabase, bucket_of, build_target
 from tvm_rmsquant.schedules.search import evaluate, knob_key, neighbours, propose_evolve, run_search
 from tvm_rmsquant.spec import VariantSpec
 from tvm_rmsquant import tune
@@ -89,8 +90,8 @@ def test_buckets_cover_every_m():
     assert ROW_BUCKETS[-1][0] is None
 
 
-def _record(max_rows, knobs, target=TARGET, spec=SPEC.name):
-    return Record(spec, max_rows, "row_resident", knobs, 10.0, 11.0, dict(target))
+def _record(max_rows, knobs, target=TARGET, spec=SPEC.name, digest="d" * 16):
+    return Record(spec, max_rows, "row_resident", knobs, 10.0, 11.0, dict(target), digest)
 
 
 def test_the_database_uses_matching_records_and_rejects_the_rest_with_a_reason(tmp_path):
@@ -119,9 +120,18 @@ def test_the_database_uses_matching_records_and_rejects_the_rest_with_a_reason(t
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(DatabaseError, match="bad.json is not valid JSON"):
         TuningDatabase.load(tmp_path / "bad.json")
-    (tmp_path / "old.json").write_text(json.dumps({"schema_version": 0, "records": []}))
-    with pytest.raises(DatabaseError, match="schema_version=0, expected 1"):
+    (tmp_path / "old.json").write_text(json.dumps({"schema_version": 1, "records": []}))
+    with pytest.raises(DatabaseError, match="schema_version=1, expected 2"):
         TuningDatabase.load(tmp_path / "old.json")
+
+
+def test_a_record_measured_on_another_kernel_is_rejected():
+    """The tensor expression or the rule changed since the measurement: same knobs, another kernel."""
+    record = _record(64, {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 0}, digest="0123456789abcdef")
+    assert record.mismatch(BUILD, lambda spec, rule, knobs: "0123456789abcdef") is None
+    tuned, rejected = TuningDatabase([record]).for_build(BUILD, kernel_digest=lambda spec, rule, knobs: "fedcba9876543210")
+    assert tuned.records == {}
+    assert "measured on another kernel (digest 0123456789abcdef; this code makes fedcba9876543210)" in rejected[0]
 
 
 def test_the_build_target_names_the_toolchain_that_generates_the_code():
@@ -129,14 +139,16 @@ def test_the_build_target_names_the_toolchain_that_generates_the_code():
     assert build_target(toolchain, (9, 0)) == BUILD
 
 
-def test_the_shipped_database_is_valid_and_matches_this_toolchain_or_says_why():
-    from tvm_rmsquant.schedules.database import DEFAULT_DATABASE
-
+def test_the_shipped_database_is_valid_and_matches_this_toolchain_and_code():
     database = TuningDatabase.load(DEFAULT_DATABASE)
+    assert database.records
+    digest = None
+    if importlib.util.find_spec("tvm") is not None:
+        from tvm_rmsquant.codegen.lower import kernel_digest as digest
     for record in database.records:
         assert set(record.target) >= {"gpu", "compute_capability", "driver", "cuda", "tvm", "tvm_ffi"}
         assert record.microseconds <= record.default_microseconds * 1.0001, record  # never slower than hand-picked
-        assert record.mismatch(BUILD) is None, record
+        assert record.mismatch(BUILD, digest) is None, record
 
 
 def test_bucket_kernels_are_picked_by_m_with_an_integer_compare():
@@ -171,7 +183,7 @@ def _results(times_by_knobs):
     for index, (knobs, scale) in enumerate(times_by_knobs):
         times = {str(m): scale * (1 + m / 1024) for m in tune.MEASURED_ROWS}
         candidates.append({"symbol": f"{SPEC.name}__t{index:03d}", "spec": SPEC.name, "rule": "row_resident", "knobs": knobs,
-                           "is_default": knobs == default, "ptxas": {}, "microseconds": times, "dropped": None})
+                           "is_default": knobs == default, "kernel_digest": f"{index:016x}", "ptxas": {}, "microseconds": times, "dropped": None})
     return {"target": TARGET, "ceiling_gbps": 4200.0, "rows": list(tune.MEASURED_ROWS), "candidates": candidates}
 
 
@@ -185,7 +197,7 @@ def test_record_keeps_the_fastest_per_bucket_and_never_one_slower_than_hand_pick
     assert all(r.knobs == default for r in tune.best_records(_results([(default, 1.0), (marginal, 0.97)])))
     results["candidates"][2]["dropped"] = "M=1: WRONG: codes identical 0.5"
     records = tune.best_records(results)
-    assert [(r.max_rows, r.knobs) for r in records] == [(64, faster), (1024, faster), (None, faster)]
+    assert [(r.max_rows, r.knobs, r.kernel_digest) for r in records] == [(64, faster, f"{1:016x}"), (1024, faster, f"{1:016x}"), (None, faster, f"{1:016x}")]
     assert all(r.microseconds < r.default_microseconds for r in records)
     path = tmp_path / "db.json"
     database = tune.record(results, path)
@@ -231,6 +243,15 @@ def test_candidate_knobs_always_include_the_hand_picked_schedule_first():
         tune.candidate_knobs(SPEC, "grid", 4)
 
 
+def test_recorded_strategy_rebuilds_the_database_picks_beside_the_hand_picked_schedule():
+    database = TuningDatabase.load(DEFAULT_DATABASE)
+    for spec in tune.TUNE_SPECS:
+        chosen = tune.candidate_knobs(spec, "recorded", 1)
+        assert chosen[0] == default_schedule(spec)
+        recorded = {knob_key(r.knobs) for r in database.records if r.spec == spec.name}
+        assert {knob_key(k) for _, k in chosen} == recorded | {knob_key(default_schedule(spec)[1])}
+
+
 @pytest.fixture(scope="module")
 def toolchain_or_skip():
     pytest.importorskip("tvm", reason="building needs the TVM compiler ([build] extra)")
@@ -260,6 +281,7 @@ def test_a_tuned_build_ships_one_kernel_per_bucket_with_its_knobs(tmp_path, tool
 
 def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, toolchain_or_skip):
     from tvm_rmsquant.codegen import bundle as builder
+    from tvm_rmsquant.codegen.lower import kernel_digest
     from tvm_rmsquant.loader import Bundle
 
     report = tune.build_candidates([SPEC], "random", 2, tmp_path / "candidates", jobs=1, seed=5, cache_dir=tmp_path / "cache")
@@ -268,6 +290,8 @@ def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, tool
     assert bundle.manifest["tuning"] == {"strategy": "random", "trials": 2, "seed": 5}
     first = bundle.candidates()[f"{SPEC.name}__t000"]
     assert first["knobs"] == default_schedule(SPEC)[1] and first["ptxas"]["registers"] > 0
+    # what a record of this candidate will carry, and what a build recomputes to accept it
+    assert first["kernel_digest"] == kernel_digest(SPEC, "row_resident", first["knobs"])
     assert set(builder.plan_candidates({SPEC: [("row_resident", default_schedule(SPEC)[1])] * 9})) == {f"cand_{SPEC.name}_0", f"cand_{SPEC.name}_1"}
     # measure refuses a spec the bundle has no candidates for before it touches a GPU
     with pytest.raises(ValueError, match=r"--spec \['bf16_k7168_g128_row_fp32'\] has no candidates"):

@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help="schedule tuning: build candidates (CPU), measure them (GPU), report, record").add_subparsers(dest="tune_command", required=True)
     tune_build = tune.add_parser("build", help="build a candidate bundle (needs the [build] extra and nvcc)")
     tune_build.add_argument("--spec", action="append", type=_parse_spec, help="variant name, e.g. bf16_k4096_g128_col_fp32 (repeatable; default: the tuning set)")
-    tune_build.add_argument("--strategy", default="exhaustive", choices=["exhaustive", "random", "evolve"])
+    tune_build.add_argument("--strategy", default="exhaustive", choices=["exhaustive", "random", "evolve", "recorded"],
+                            help="recorded: the tuning database's picks, to confirm them against the hand-picked schedules")
     tune_build.add_argument("--trials", type=int, default=8, help="candidates per spec for random/evolve (the hand-picked one is always added)")
     tune_build.add_argument("--results", type=Path, help="earlier results JSON that evolve proposes from")
     tune_build.add_argument("--seed", type=int, default=0)
@@ -139,7 +140,9 @@ def _build(args) -> int:
         from .loader import ARCH_CAPABILITY
 
         target = build_target(builder.toolchain(), ARCH_CAPABILITY[builder.TARGET_ARCH], args.tuning_gpu)
-        tuned, rejected = database.for_build(target, {spec.name for spec in specs})
+        from .codegen.lower import kernel_digest
+
+        tuned, rejected = database.for_build(target, {spec.name for spec in specs}, kernel_digest)
         print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
         for reason in rejected:
             print(f"  rejected {reason}")

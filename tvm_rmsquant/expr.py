@@ -13,7 +13,8 @@ Stages, by block name (schedules find them by these names and never restate the 
     y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))
     absmax     max over each group of bits(|y|)        NaN-propagating, see below
     scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0; NaN if ub <= 0
-    q          float8_e4m3fn(clamp(y / scale, -448, 448)), y / scale correctly rounded (``quotient``)
+    ratio      y / scale, correctly rounded (``quotient``)
+    q          float8_e4m3fn(clamp(ratio, -448, 448))
     scales     the scale write: ``scale`` itself, or the packed UE8M0 words
 
 The group absmax is reduced on the IEEE bit pattern of |y| as int32: for non-negative
@@ -77,21 +78,39 @@ def _fma(a, b, c):
     return tirx.call_pure_extern(F32, "fmaf", a, b, c)
 
 
-def quotient(y, s):
+def quotient(y, s, bounded: bool = False, power_of_two: bool = False):
     """RN(y / s) from one reciprocal per group instead of one IEEE division per element.
 
     ``r = RN(1 / s)`` is the same for a group's elements, so the compiler computes it once.
     Markstein's theorem: with r correctly rounded and ``q0 = RN(y r)`` within an ulp of y / s,
     the remainder ``e = y - q0 s`` is exact in one fma and ``RN(q0 + e r) = RN(y / s)``.
-    Where e is 0 or not finite, q0 already is the answer: y = +-0 (keeping its sign), s = inf,
-    y = inf, or y r overflowing under a scale_ub cap (inf either way, clamped to 448). For
-    |y| < 2^-100 the remainder may underflow and the last bit differ, but |y / s| < 2^-82
+    The remainder is computed as ``-(q0 s - y)``, which is the same number but keeps y's sign
+    through zeros (y = -0 gives -0); it uses s capped at FLT_MAX, so that s = inf (an inf in
+    the group) gives e = y and the answer y * 0 = +-0 instead of NaN.
+
+    ``bounded``: |y| <= 448 s for finite y, as for every element of a group whose scale has
+    no cap (s >= absmax / 448), so y r cannot overflow and the remainder is finite unless y
+    is inf or NaN, where s is too and the answer NaN either way: no per-element check.
+    Otherwise (any y and s), a non-finite remainder means q0 = +-inf already is the answer.
+
+    ``power_of_two``: s is 2^n, inf or NaN (UE8M0 scales), so r is exact and so is
+    ``y r = y / s``: one multiply.
+
+    For |y| < 2^-100 the remainder may underflow and the last bit differ, but |y / s| < 2^-82
     is an fp8 zero of y's sign either way (s >= 1 / (448 * 512)).
     """
+    if power_of_two:
+        return _let("r", _f32(1.0) / s, lambda r: y * r)
+    finite_s = tirx.Select(s > _f32(FLT_MAX), _f32(FLT_MAX), s)
 
     def correct(r):
-        return _let("q0", y * r, lambda q0: _let("e", _fma(-q0, s, y), lambda e: tirx.Select(
-            tirx.And(e != _f32(0.0), tirx.abs(e) <= _f32(FLT_MAX)), _fma(e, r, q0), q0)))
+        def refine(q0):
+            remainder = -_fma(q0, finite_s, -y)
+            if bounded:
+                return _fma(remainder, r, q0)
+            return _let("e", remainder, lambda e: tirx.Select(tirx.abs(e) <= _f32(FLT_MAX), _fma(e, r, q0), q0))
+
+        return _let("q0", y * r, refine)
 
     return _let("r", _f32(1.0) / s, correct)
 
@@ -228,12 +247,15 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
 
     scale = te.compute((rows, groups), group_scale, name="scale")
 
+    ratio = te.compute(
+        shape, lambda m, g, j: quotient(y[m, g, j], scale[m, g], bounded=ub is None, power_of_two=spec.pow2_scales), name="ratio"
+    )
+
     def quantize(m, g, j):
-        value = quotient(y[m, g, j], scale[m, g])
         if portable_casts:
-            return _let("c", _let("v", value, lambda v: _clamp(v, _f32(-FP8_MAX), _f32(FP8_MAX))), e4m3fn_bits)
+            return _let("c", _let("v", ratio(m, g, j), lambda v: _clamp(v, _f32(-FP8_MAX), _f32(FP8_MAX))), e4m3fn_bits)
         # CUDA's float -> e4m3 conversion is saturating (cvt.rn.satfinite): it is the clamp.
-        return value.astype(spec.out_dtype)
+        return ratio[m, g, j].astype(spec.out_dtype)
 
     q = te.compute(shape, quantize, name="q")
 
@@ -252,7 +274,7 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     else:
         scales = scale
 
-    tensors = {"x": x, "weight": weight, "h": h, "sumsq": sumsq, "rms": rms, "y": y, "absmax": absmax, "scale": scale, "q": q, "scales": scales}
+    tensors = {"x": x, "weight": weight, "h": h, "sumsq": sumsq, "rms": rms, "y": y, "absmax": absmax, "scale": scale, "ratio": ratio, "q": q, "scales": scales}
     if r is not None:
         tensors.update(r=r, residual=residual)
     if ub is not None:

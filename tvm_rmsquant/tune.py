@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .schedules import default_schedule, rule_by_name
-from .schedules.database import ROW_BUCKETS, Record, TuningDatabase, bucket_score, cuda_release
+from .schedules.database import DEFAULT_DATABASE, ROW_BUCKETS, Record, TuningDatabase, bucket_score, cuda_release
 from .schedules.search import evaluate, knob_key, propose_evolve
 from .spec import VariantSpec
 
@@ -34,7 +34,9 @@ TUNE_SPECS = tuple(
 )
 #: M values timed by ``measure``: every bucket's timed values.
 MEASURED_ROWS = tuple(sorted({rows for _, timed in ROW_BUCKETS for rows in timed}))
-STRATEGIES = ("exhaustive", "random", "evolve")
+#: ``recorded`` rebuilds the tuning database's picks beside the hand-picked schedules, so that a
+#: later run can confirm them against each other.
+STRATEGIES = ("exhaustive", "random", "evolve", "recorded")
 
 
 # -- build (CPU) ------------------------------------------------------------------------------
@@ -50,6 +52,8 @@ def candidate_knobs(spec: VariantSpec, strategy: str, trials: int, seed: int = 0
         chosen = rule.sample(spec, trials, seed)
     elif strategy == "evolve":
         chosen = propose_evolve(rule, spec, measured, trials, seed)
+    elif strategy == "recorded":
+        chosen = [record.knobs for record in TuningDatabase.load(DEFAULT_DATABASE).records if record.spec == spec.name and record.rule == rule_name]
     else:
         raise ValueError(f"strategy={strategy!r} is unknown; choose one of {STRATEGIES}")
     unique = {knob_key(default): default}
@@ -168,6 +172,7 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
                 "rule": entry["rule"],
                 "knobs": entry["knobs"],
                 "is_default": entry["knobs"] == default,
+                "kernel_digest": entry["kernel_digest"],
                 "ptxas": entry["ptxas"],
                 "microseconds": {str(rows): value for rows, value in rows_out[symbol].items()} if dropped[symbol] is None else {},
                 "dropped": dropped[symbol],
@@ -205,7 +210,7 @@ def best_records(results: Dict) -> List[Record]:
             best = min(mine, key=lambda c: (score(c), not c["is_default"]))
             if score(default) < score(best) * (1 + MIN_GAIN):
                 best = default
-            records.append(Record(spec_name, max_rows, best["rule"], best["knobs"], score(best), score(default), dict(results["target"])))
+            records.append(Record(spec_name, max_rows, best["rule"], best["knobs"], score(best), score(default), dict(results["target"]), best["kernel_digest"]))
     return records
 
 
