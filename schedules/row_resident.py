@@ -8,7 +8,7 @@ each of them the ``vector`` consecutive elements at lane offset ``tx * vector``:
 so one group is G / V lanes of one warp (16 lanes x 8 bf16 for G = 128), each load is
 a 16-byte vector, the sum of squares is a block all-reduce and each group's absmax a
 warp-shuffle reduction over its lanes. A thread holds whole groups, so its scales stay
-in registers for q, and (with C % 4 == 0) whole packed UE8M0 words too.
+in registers for the quotient, and (with C % 4 == 0) whole packed UE8M0 words too.
 """
 
 from __future__ import annotations
