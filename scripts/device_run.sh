@@ -9,7 +9,9 @@
 #   TUNE_SPECS                 space-separated spec names: the tune stage measures only these
 #   TUNE_BUNDLES               the candidate bundles the tune stage measures (default: artifacts/tune_*)
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
-# and packs its data into $OUT/<stage>.tar.gz.
+# and packs its data into $OUT/<stage>.tar.gz; $OUT/stages.log has the GPU's clocks and each
+# stage's start time. The device returns at most 8 files from $OUT: a call that runs this
+# script several times (OUT=$OUT/a, OUT=$OUT/b) must stay within that, or files are dropped.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The installed layout (schedules/ and codegen/ inside the package), without pip or network.
@@ -23,7 +25,7 @@ mkdir -p "$OUT"
 RESULTS=$OUT
 STAGES=${STAGES:-tests overhead sanitize sweep bench compile}
 status=0
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$RESULTS/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$RESULTS/stages.log"
 for stage in $STAGES; do
   echo "$(date -u +%T) stage $stage" | tee -a "$RESULTS/stages.log"
   case $stage in
