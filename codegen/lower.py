@@ -31,19 +31,21 @@ def cuda_target():
     return tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "cuda_host"})
 
 
+def _scheduled(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]):
+    """The PrimFunc of ``spec`` as ``rule_name`` schedules it with ``knobs``."""
+    return rule_by_name(rule_name).apply(expr.prim_func(spec), spec, knobs).mod["main"]
+
+
 def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: str):
     """The scheduled PrimFunc of one variant, exported under ``grouped_symbol(symbol)``."""
-    rule = rule_by_name(rule_name)
-    sch = rule.apply(expr.prim_func(spec), spec, knobs)
-    return sch.mod["main"].with_attr("global_symbol", launch.grouped_symbol(symbol))
+    return _scheduled(spec, rule_name, knobs).with_attr("global_symbol", launch.grouped_symbol(symbol))
 
 
 def kernel_digest(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]) -> str:
     """The identity of the kernel that (spec, rule, knobs) makes with this code: a hash of its
     scheduled TIR and knobs. A tuning record carries the digest of the kernel it measured,
     so that a change to the tensor expression or to a rule voids it instead of reusing it."""
-    scheduled = rule_by_name(rule_name).apply(expr.prim_func(spec), spec, knobs).mod["main"]
-    payload = scheduled.script() + json.dumps(knobs, sort_keys=True)
+    payload = _scheduled(spec, rule_name, knobs).script() + json.dumps(knobs, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

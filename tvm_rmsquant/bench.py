@@ -13,6 +13,7 @@ import csv
 import dataclasses
 import functools
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -147,12 +148,21 @@ class ReferenceProvider:
         return call, tuple(outputs)
 
 
+def point_inputs(spec: VariantSpec, rows: int, hidden: int, copy: int = 0) -> Dict:
+    """Input copy ``copy`` of one benchmark point, seeded so that every caller gets the same."""
+    return random_inputs(spec, rows, hidden, seed=rows * 7 + hidden + copy, device="cuda")
+
+
+def input_copies(moved: int) -> int:
+    """Input copies to rotate among so that together they exceed the L2 cache (1 to 8)."""
+    return max(1, min(8, -(-3 * L2_BYTES // max(moved, 1))))
+
+
 @functools.lru_cache(maxsize=1)
-def _cpu_reference(spec: VariantSpec, rows: int, hidden: int, eps: float):
-    """The oracle for ``measure``'s inputs: the CPU reference (eager torch on the GPU itself
-    misses the bar there), computed once per point for all providers (the inputs are seeded)."""
-    inputs = random_inputs(spec, rows, hidden, seed=rows * 7 + hidden, device="cuda")
-    cpu = {key: (value.cpu() if value is not None else None) for key, value in inputs.items()}
+def cpu_oracle(spec: VariantSpec, rows: int, hidden: int, eps: float):
+    """The reference outputs for ``point_inputs(spec, rows, hidden)``, computed on the CPU
+    (eager torch on the GPU itself misses the bar there), once per point for all callers."""
+    cpu = {key: (value.cpu() if value is not None else None) for key, value in point_inputs(spec, rows, hidden).items()}
     return reference.rms_norm_group_quant(cpu["x"], cpu["weight"], eps, spec, cpu["residual"], cpu["scale_ub"])
 
 
@@ -160,21 +170,21 @@ def measure(provider, spec: VariantSpec, rows: int, hidden: int, ceiling: float,
     """Check ``provider`` on fresh random inputs, then time it. None if it is unsupported."""
     if not provider.supports(spec):
         return None
-    inputs = random_inputs(spec, rows, hidden, seed=rows * 7 + hidden, device="cuda")
+    inputs = point_inputs(spec, rows, hidden)
     try:
         call, outputs = provider.prepare(spec, inputs, eps)
         call()
         torch.cuda.synchronize()
     except Exception as error:  # a peer that cannot run this shape is reported, not fatal
         return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: {type(error).__name__}: {str(error)[:200]}")
-    agreement = compare(spec, outputs, _cpu_reference(spec, rows, hidden, eps), hidden)
+    agreement = compare(spec, outputs, cpu_oracle(spec, rows, hidden, eps), hidden)
     moved = op_bytes(spec, rows, hidden)
     verdict = agreement.describe() if agreement.passed else "WRONG: " + agreement.describe()
     if not agreement.passed and not getattr(provider, "timed_when_wrong", False):
         # A wrong provider is reported, never timed.
         return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), verdict)
-    copies = max(1, min(8, -(-3 * L2_BYTES // max(moved, 1))))
-    input_sets = [inputs] + [random_inputs(spec, rows, hidden, seed=rows * 7 + hidden + i, device="cuda") for i in range(1, copies)]
+    copies = input_copies(moved)
+    input_sets = [inputs] + [point_inputs(spec, rows, hidden, copy) for copy in range(1, copies)]
     try:
         makers = [provider.prepare(spec, one, eps)[0] for one in input_sets]
         microseconds = time_call(lambda i: makers[i], copies, rows)
@@ -279,7 +289,7 @@ def markdown_table(points: List[Point], ceiling: float) -> str:
             point = by_provider.get(provider)
             if point is None:
                 cells.append("n/a")
-            elif point.microseconds != point.microseconds:
+            elif math.isnan(point.microseconds):
                 cells.append(point.agreement.split(":")[0])
             else:
                 wrong = ", wrong codes" if point.agreement.startswith("WRONG") else ""

@@ -137,11 +137,10 @@ def _build(args) -> int:
         except DatabaseError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+        from .codegen.lower import kernel_digest
         from .loader import ARCH_CAPABILITY
 
         target = build_target(builder.toolchain(), ARCH_CAPABILITY[builder.TARGET_ARCH], args.tuning_gpu)
-        from .codegen.lower import kernel_digest
-
         tuned, rejected = database.for_build(target, {spec.name for spec in specs}, kernel_digest)
         print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
         for reason in rejected:

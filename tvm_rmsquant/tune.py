@@ -120,9 +120,8 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
     short keeps what it measured."""
     import torch
 
-    from . import reference
-    from .bench import L2_BYTES, copy_ceiling, kernel_call, op_bytes, time_call
-    from .checks import compare, random_inputs
+    from .bench import copy_ceiling, cpu_oracle, input_copies, kernel_call, op_bytes, point_inputs, time_call
+    from .checks import compare
 
     candidates = bundle.candidates()
     if not candidates:
@@ -146,13 +145,9 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
         dropped: Dict[str, Optional[str]] = {symbol: None for symbol, _ in entries}
         functions = {symbol: bundle.kernel_function(entry) for symbol, entry in entries}
         for rows in rows_list:
-            moved = op_bytes(spec, rows, hidden)
-            copies = max(1, min(8, -(-3 * L2_BYTES // max(moved, 1))))
-            input_sets = [random_inputs(spec, rows, hidden, seed=rows * 7 + hidden + i, device="cuda") for i in range(copies)]
-            first = input_sets[0]
-            cpu = {key: (value.cpu() if value is not None else None) for key, value in first.items()}
-            want = reference.rms_norm_group_quant(cpu["x"], cpu["weight"], eps, spec, cpu["residual"], cpu["scale_ub"])
-            want = tuple(tensor.cuda() if tensor is not None else None for tensor in want)
+            copies = input_copies(op_bytes(spec, rows, hidden))
+            input_sets = [point_inputs(spec, rows, hidden, copy) for copy in range(copies)]
+            want = cpu_oracle(spec, rows, hidden, eps)
             for symbol, _ in entries:
                 if dropped[symbol] is not None:
                     continue
