@@ -59,7 +59,7 @@ class PlannedVariant:
     candidate: bool = False
 
     def as_lowering_input(self):
-        return self.spec, self.rule, dict(self.knobs), self.symbol
+        return self.spec, self.rule, dict(self.knobs), self.symbol, self.max_rows
 
     def manifest_entry(self, library: str, figures: Dict) -> Dict:
         kernel = f"{launch.grouped_symbol(self.symbol)}_kernel"

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import tvm
 
@@ -68,8 +68,10 @@ def with_min_blocks_per_sm(source: str, kernel: str, blocks: int) -> str:
 _DLPACK_DTYPES = {"bf16": ("kDLBfloat", 16), "fp16": ("kDLFloat", 16), "fp32": ("kDLFloat", 32)}
 
 
-def entry_point(spec: VariantSpec, symbol: str) -> str:
-    """C++ for ``symbol``: [M, K] rows and a [K] weight, checked, then viewed by groups in place."""
+def entry_point(spec: VariantSpec, symbol: str, buckets: Sequence[Tuple[int, str]] = ()) -> str:
+    """C++ for ``symbol``: [M, K] rows and a [K] weight, checked, then viewed by groups in
+    place; ``buckets`` ((max_rows, symbol), ...) are kernels of the same spec that run
+    M <= max_rows instead of ``symbol``'s own."""
     params = launch.parameters(spec)
     names = ", ".join(f'"{name}"' for name, _ in params)
     kinds = ", ".join(str(kind) for _, kind in params)
@@ -77,31 +79,39 @@ def entry_point(spec: VariantSpec, symbol: str) -> str:
     code, bits = _DLPACK_DTYPES[spec.dtype]
     hidden = -1 if spec.hidden is None else spec.hidden
     multiple = spec.group * (4 if spec.format == "ue8m0_packed" else 1)
+    kernels = [(max_rows, bucket) for max_rows, bucket in sorted(buckets)] + [(-1, symbol)]
+    table = ", ".join(f"{{{max_rows}, __tvm_ffi_{launch.grouped_symbol(name)}}}" for max_rows, name in kernels)
     return f"""
 static const char* const {symbol}_names[] = {{{names}}};
 static const int {symbol}_kinds[] = {{{kinds}}};
 static const bool {symbol}_input_dtype[] = {{{input_dtype}}};
+static const tvm_rmsquant::Kernel {symbol}_kernels[] = {{{table}}};
 static const tvm_rmsquant::Contract {symbol}_contract = {{
     "{symbol}", {len(params)}, {symbol}_names, {symbol}_kinds, {symbol}_input_dtype,
-    DLDataType{{{code}, {bits}, 1}}, {spec.group}, {hidden}, {multiple}}};
+    DLDataType{{{code}, {bits}, 1}}, {spec.group}, {hidden}, {multiple}, {symbol}_kernels}};
 extern "C" TVM_DLL int32_t __tvm_ffi_{symbol}(void* self, void* args, int32_t num_args, void* result) {{
-  return tvm_rmsquant::call_with_group_views(__tvm_ffi_{launch.grouped_symbol(symbol)}, {symbol}_contract, args, num_args, result);
+  return tvm_rmsquant::call_with_group_views({symbol}_contract, args, num_args, result);
 }}
 """
 
 
-def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str]]) -> str:
-    """One translation unit: each (spec, rule, knobs, symbol)'s kernel, host wrapper and entry point."""
+def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, Optional[int]]]) -> str:
+    """One translation unit: each (spec, rule, knobs, symbol, max_rows)'s kernel, host wrapper and
+    entry point. A spec's entry point with max_rows None also runs its M buckets' kernels."""
     variants = list(variants)
-    funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol) for spec, rule, knobs, symbol in variants}
+    funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol) for spec, rule, knobs, symbol, _ in variants}
     with tvm.transform.PassContext(config=PASS_CONFIG):
         built = tvm.compile(tvm.IRModule(funcs), target=cuda_target())
     kernels = tvm.backend.cuda.export_cuda_host(built.mod)
-    for spec, rule, knobs, symbol in variants:
+    for spec, rule, knobs, symbol, _ in variants:
         blocks = rule_by_name(rule).min_blocks_per_sm(knobs)
         kernels = with_min_blocks_per_sm(kernels, f"{launch.grouped_symbol(symbol)}_kernel", blocks)
+    buckets: Dict[VariantSpec, List[Tuple[int, str]]] = {}
+    for spec, _, _, symbol, max_rows in variants:
+        if max_rows is not None:
+            buckets.setdefault(spec, []).append((max_rows, symbol))
     parts = [kernels, ROW_VIEWS.read_text()]
-    parts += [entry_point(spec, symbol) for spec, _, _, symbol in variants]
+    parts += [entry_point(spec, symbol, buckets.get(spec, ()) if max_rows is None else ()) for spec, _, _, symbol, max_rows in variants]
     return "\n".join(parts)
 
 

@@ -1,20 +1,28 @@
 // The public entry point of each kernel: it takes the tensors as torch holds them
 // (rows [M, K], weight [K]) and calls the TVM-generated wrapper, which takes them as
 // [M, K/G, G] and [K/G, G], with in-place views: no Python-side reshapes per call.
-// Its checks name the argument, the value received and what is accepted, at no Python
-// cost per call. It launches on the tensors' device (the generated wrapper uses the
-// current one) and returns before launching when M == 0 (the generated wrapper would
-// launch an empty grid that writes through NULL).
+// Where the tuning database gave small M its own kernels, a variant's entry point picks
+// the kernel by M here. Its checks name the argument, the value received and what is
+// accepted, at no Python cost per call. It launches on the tensors' device (the generated
+// wrapper uses the current one) and returns before launching when M == 0 (the generated
+// wrapper would launch an empty grid that writes through NULL).
+#include <cmath>
 #include <sstream>
 #include <string>
 
 namespace tvm_rmsquant {
 
-enum ArgKind : int { kAsIs = 0, kRows = 1, kWeight = 2 };
+enum ArgKind : int { kAsIs = 0, kRows = 1, kWeight = 2, kEps = 3 };
 using PackedFunction = int32_t (*)(void*, void*, int32_t, void*);
 constexpr int kMaxArgs = 8;
 
-// What one variant accepts; generated per variant next to its entry point.
+// One kernel of a variant: it runs M <= max_rows (max_rows < 0: every M).
+struct Kernel {
+  int64_t max_rows;
+  PackedFunction grouped;
+};
+
+// What one variant accepts and which kernels run it; generated per variant.
 struct Contract {
   const char* name;
   int32_t arity;
@@ -25,6 +33,7 @@ struct Contract {
   int64_t group;
   int64_t hidden;           // -1: dynamic K
   int64_t hidden_multiple;  // dynamic K must be a multiple of this
+  const Kernel* kernels;    // by max_rows ascending, the last for every M
 };
 
 static std::string dtype_name(DLDataType dtype) {
@@ -56,14 +65,21 @@ static const DLTensor* tensor_arg(const TVMFFIAny& arg) {
   return nullptr;
 }
 
+// "(x, weight, eps)": the first ``count`` argument names.
+static std::string signature(const Contract& contract, int32_t count) {
+  std::string text = "(";
+  for (int32_t i = 0; i < count; ++i) text += (i ? ", " : "") + std::string(contract.arg_names[i]);
+  return text + ")";
+}
+
 static bool same_dtype(DLDataType a, DLDataType b) { return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes; }
 
-static int32_t call_with_group_views(PackedFunction grouped, const Contract& contract, void* args, int32_t num_args,
-                                     void* result) {
+static int32_t call_with_group_views(const Contract& contract, const void* args, int32_t num_args, void* result) {
   TVM_FFI_SAFE_CALL_BEGIN();
   const char* name = contract.name;
   if (num_args != contract.arity) {
-    TVM_FFI_THROW(TypeError) << name << " takes " << contract.arity << " arguments, got " << num_args;
+    TVM_FFI_THROW(TypeError) << name << " takes " << contract.arity << " arguments, got " << num_args << ": "
+                             << signature(contract, contract.arity);
   }
   const TVMFFIAny* given = static_cast<const TVMFFIAny*>(args);
   TVMFFIAny forwarded[kMaxArgs];
@@ -75,6 +91,18 @@ static int32_t call_with_group_views(PackedFunction grouped, const Contract& con
     forwarded[i] = given[i];
     const DLTensor* tensor = tensor_arg(given[i]);
     const char* arg = contract.arg_names[i];
+    if (contract.kinds[i] == kEps) {
+      const bool number = given[i].type_index == kTVMFFIFloat || given[i].type_index == kTVMFFIInt;
+      const double eps = given[i].type_index == kTVMFFIInt ? double(given[i].v_int64) : given[i].v_float64;
+      if (!number || !(eps > 0.0) || !std::isfinite(eps)) {
+        std::ostringstream value;
+        if (number) value << "=" << eps;
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << value.str() << " must be a positive finite number, such as 1e-6";
+      }
+      forwarded[i].type_index = kTVMFFIFloat;
+      forwarded[i].v_float64 = eps;
+      continue;
+    }
     if (contract.kinds[i] == kAsIs) {
       if (tensor != nullptr && first != nullptr &&
           (tensor->device.device_type != first->device.device_type || tensor->device.device_id != first->device.device_id)) {
@@ -152,9 +180,12 @@ static int32_t call_with_group_views(PackedFunction grouped, const Contract& con
     TVM_FFI_THROW(ValueError) << name << ": x is on DLPack device type " << first->device.device_type
                               << "; this is a CUDA kernel (CPU tensors run through the torch op's CPU path)";
   }
-  if (first->shape[0] == 0) return 0;
+  const int64_t rows = first->shape[0];
+  if (rows == 0) return 0;
+  const Kernel* kernel = contract.kernels;
+  while (kernel->max_rows >= 0 && rows > kernel->max_rows) ++kernel;
   tvm::ffi::CUDADeviceGuard guard(first->device.device_id);
-  if (grouped(nullptr, forwarded, contract.arity, result) != 0) return -1;
+  if (kernel->grouped(nullptr, forwarded, contract.arity, result) != 0) return -1;
   TVM_FFI_SAFE_CALL_END();
 }
 

@@ -78,7 +78,9 @@ def test_entry_points_check_their_arguments_on_the_host(built):
     x, weight = torch.zeros(3, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16)
     q, scales = torch.empty(3, 2048, dtype=torch.float8_e4m3fn), torch.empty(3, 16)
     refusals = [
-        (TypeError, "takes 5 arguments, got 4", (x, weight, 1e-6, q)),
+        (TypeError, r"takes 5 arguments, got 4: \(x, weight, eps, q, scales\)", (x, weight, 1e-6, q)),
+        (ValueError, "eps=0 must be a positive finite number", (x, weight, 0.0, q, scales)),
+        (ValueError, "eps=nan must be a positive finite number", (x, weight, float("nan"), q, scales)),
         (ValueError, r"x must be 2-D, got 3-D of shape \[3, 16, 128\]", (x.view(3, 16, 128), weight, 1e-6, q, scales)),
         (TypeError, "x.dtype is float32; this variant takes bfloat16", (x.float(), weight, 1e-6, q, scales)),
         (ValueError, r"x.shape\[-1\]=100 is not a multiple of the group size 128", (torch.zeros(3, 100, dtype=torch.bfloat16), weight, 1e-6, q, scales)),

@@ -70,6 +70,26 @@ def test_side_stream_produce_run_consume_without_synchronization(gpu_bundle):
     _check(SPEC, inputs["x"], inputs["weight"], inputs["residual"], outputs)
 
 
+@pytest.mark.parametrize("layout, fmt", [("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed")])
+@pytest.mark.parametrize("residual", [False, True])
+def test_bound_kernels_give_the_reference_layout_and_values_at_every_m(gpu_bundle, layout, fmt, residual):
+    """select()'s kernel: the reference's shapes, strides and dtypes and right values, at M on
+    both sides of the tuned M <= 64 kernels (picked in C++) and of a TMA row pad."""
+    kernel = select(K, torch.bfloat16, residual=residual, scale_layout=layout, scale_format=fmt, bundle=gpu_bundle.root)
+    assert kernel.variant == kernel.spec.name, kernel.why
+    for rows in (0, 1, 3, 64, 65, 300):
+        inputs = random_inputs(kernel.spec, rows, K, seed=rows, device="cuda")
+        x, w, r = inputs["x"], inputs["weight"], inputs["residual"]
+        want = reference.rms_norm_group_quant(x.cpu(), w.cpu(), 1e-6, kernel.spec, None if r is None else r.cpu())
+        q, scales = kernel(x, w, residual=r)
+        torch.cuda.synchronize()
+        empty = reference.empty_scales(kernel.spec, rows, K, "cuda")
+        assert (scales.shape, scales.stride(), scales.dtype) == (empty.shape, empty.stride(), empty.dtype), rows
+        assert (q.shape, q.stride(), q.dtype) == (x.shape, x.stride(), torch.float8_e4m3fn), rows
+        agreement = compare(kernel.spec, (q, scales, r), want, K)
+        assert agreement.passed, (rows, agreement.describe())
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_block_on_cuda_matches_eager(gpu_bundle, mode):
     torch.manual_seed(0)

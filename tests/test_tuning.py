@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-from tvm_rmsquant.loader import by_rows
 from tvm_rmsquant.schedules import RULES, default_schedule, rule_by_name
 from tvm_rmsquant.schedules.database import DEFAULT_DATABASE, ROW_BUCKETS, DatabaseError, Record, TuningDatabase, bucket_of, build_target
 from tvm_rmsquant.schedules.search import evaluate, knob_key, neighbours, propose_evolve, run_search
@@ -151,19 +150,6 @@ def test_the_shipped_database_is_valid_and_matches_this_toolchain_and_code():
         assert record.mismatch(BUILD, digest) is None, record
 
 
-def test_bucket_kernels_are_picked_by_m_with_an_integer_compare():
-    calls = []
-    pick = by_rows([(1024, lambda x, *a: calls.append("medium")), (64, lambda x, *a: calls.append("small"))], lambda x, *a: calls.append("large"))
-
-    class Rows:
-        def __init__(self, m):
-            self.shape = (m, 4096)
-
-    for m in (1, 64, 65, 1024, 1025):
-        pick(Rows(m), "w")
-    assert calls == ["small", "small", "medium", "medium", "large"]
-
-
 def test_the_plan_gives_each_tuned_bucket_its_own_kernel():
     from tvm_rmsquant.codegen.bundle import plan
 
@@ -277,6 +263,10 @@ def test_a_tuned_build_ships_one_kernel_per_bucket_with_its_knobs(tmp_path, tool
     assert bucket["max_rows"] == 64 and bucket["knobs"] == small and bucket["symbol"] == f"{SPEC.name}__m64"
     source = (bundle.path / bundle.manifest["libraries"][entry["library"]]["source"]).read_text()
     assert f"__launch_bounds__(512, 4) {bucket['kernel']}(" in source and f"__tvm_ffi_{bucket['symbol']}(" in source
+    # The variant's entry points pick the bucket's kernel for M <= 64 in C++, else their own.
+    table = f"{SPEC.name}_kernels[] = {{{{64, __tvm_ffi_{bucket['symbol']}_grouped}}, {{-1, __tvm_ffi_{SPEC.name}_grouped}}}};"
+    own = f"{bucket['symbol']}_kernels[] = {{{{-1, __tvm_ffi_{bucket['symbol']}_grouped}}}};"  # the bucket's entry, for tuning
+    assert table in source and own in source
 
 
 def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, toolchain_or_skip):

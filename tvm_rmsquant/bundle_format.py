@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 1
+#: 2: a variant's entry point picks its M-bucket kernels in C++.
+SCHEMA_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 CURRENT_FILE = "CURRENT"
 

@@ -17,8 +17,9 @@ from .spec import VariantSpec
 
 #: Arguments that must have the input dtype.
 INPUT_DTYPE_ARGS = ("x", "residual", "weight", "residual_out")
-#: How an argument is passed to the tensor expression: as is, or viewed by groups.
-AS_IS, ROWS, WEIGHT = 0, 1, 2
+#: How an argument is passed to the tensor expression: as is, viewed by groups, or as a
+#: checked eps (a positive finite float).
+AS_IS, ROWS, WEIGHT, EPS = 0, 1, 2, 3
 
 
 def grouped_symbol(symbol: str) -> str:
@@ -34,7 +35,7 @@ def parameters(spec: VariantSpec) -> List[Tuple[str, int]]:
     names.append(("weight", WEIGHT))
     if spec.scale_ub:
         names.append(("scale_ub", AS_IS))
-    names += [("eps", AS_IS), ("q", ROWS), ("scales", AS_IS)]
+    names += [("eps", EPS), ("q", ROWS), ("scales", AS_IS)]
     if spec.residual:
         names.append(("residual_out", ROWS))
     return names

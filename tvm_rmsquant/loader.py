@@ -124,12 +124,9 @@ class Bundle:
         return self.manifest.get("candidates", {})
 
     def function(self, name: str):
-        """The tvm-ffi function of variant ``name``: its one kernel, or, where the tuning
-        database gave M buckets their own schedules, a pick by M among them."""
-        entry = self.entry(name)
-        default = self.kernel_function(entry)
-        buckets = [(bucket["max_rows"], self.kernel_function(bucket)) for bucket in entry.get("by_rows", ())]
-        return by_rows(buckets, default) if buckets else default
+        """The tvm-ffi function of variant ``name`` (outputs given). Where the tuning database
+        gave M buckets their own kernels, it picks among them by M, in C++."""
+        return self.kernel_function(self.entry(name))
 
     def kernel_function(self, entry: Dict):
         """The tvm-ffi function of one manifest kernel entry (its library is loaded once)."""
@@ -141,23 +138,6 @@ class Bundle:
                 module = tvm_ffi.load_module(str(self.path / entry["library"]))
                 self._modules[entry["library"]] = module
         return module[entry["symbol"]]
-
-
-def by_rows(buckets, default):
-    """A kernel call that runs the first bucket's kernel with M <= its max_rows, else ``default``.
-
-    An integer compare inside the op's implementation, so torch.compile never sees it.
-    """
-    buckets = tuple(sorted(buckets, key=lambda bucket: bucket[0]))
-
-    def call(x, *args):
-        rows = x.shape[0]
-        for max_rows, function in buckets:
-            if rows <= max_rows:
-                return function(x, *args)
-        return default(x, *args)
-
-    return call
 
 
 _OPENED: Dict[Path, Bundle] = {}
