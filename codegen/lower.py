@@ -79,7 +79,7 @@ def entry_point(spec: VariantSpec, symbol: str, buckets: Sequence[Tuple[int, str
     code, bits = _DLPACK_DTYPES[spec.dtype]
     hidden = -1 if spec.hidden is None else spec.hidden
     multiple = spec.group * (4 if spec.format == "ue8m0_packed" else 1)
-    kernels = [(max_rows, bucket) for max_rows, bucket in sorted(buckets)] + [(-1, symbol)]
+    kernels = sorted(buckets) + [(-1, symbol)]
     table = ", ".join(f"{{{max_rows}, __tvm_ffi_{launch.grouped_symbol(name)}}}" for max_rows, name in kernels)
     return f"""
 static const char* const {symbol}_names[] = {{{names}}};
