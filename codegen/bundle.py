@@ -5,9 +5,11 @@ A pipeline of plain steps:
     plan        spec -> its schedules (rule, knobs; one per M bucket when tuned), grouped into libraries
     lower       library -> CUDA C++ source        cached on the inputs' content
     compile     source -> .so + ptxas figures     cached on the source and toolchain
+    torch ops   torch_ops.cpp -> torch_ops.so     cached on the source, toolchain and torch
     publish     stage a bundle, then switch ``CURRENT`` to it atomically
 
-The bundle directory holds ``bundles/<digest>/`` (manifest, .so, .cu) and a ``CURRENT``
+The bundle directory holds ``bundles/<digest>/`` (manifest, .so, .cu, the torch ops'
+.so and .cpp) and a ``CURRENT``
 file naming the live one. Readers follow ``CURRENT`` once, so a build that is killed,
 fails, or races another never leaves them a half-written bundle.
 """
@@ -35,6 +37,9 @@ from tvm_rmsquant.spec import VariantSpec
 from . import nvcc as nvcc_step
 
 TARGET_ARCH = "sm_90a"
+#: The allocating ops' C++ implementation, built against torch's stable ABI into every bundle.
+TORCH_OPS_SOURCE = Path(__file__).with_name("torch_ops.cpp")
+TORCH_OPS_LIBRARY = "torch_ops.so"
 #: The files whose content decides the generated source; their hash keys the lowering cache.
 _SOURCE_ROOTS = {
     "tvm_rmsquant": ("expr.py", "spec.py", "launch.py"),
@@ -177,6 +182,14 @@ def compile_key(source_sha: str, tools: Dict[str, str]) -> str:
     return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
 
 
+def torch_ops_key(source_sha: str, tools: Dict[str, str], torch_version: str) -> str:
+    payload = {
+        "source": source_sha, "nvcc": tools["nvcc"], "flags": nvcc_step.TORCH_OPS_FLAGS,
+        "tvm_ffi": tools["apache-tvm-ffi"], "torch": torch_version,
+    }
+    return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
+
+
 # -- cache ------------------------------------------------------------------------------------
 
 
@@ -193,6 +206,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def _compile_atomically(library: Path, compile: Callable[[Path], object]):
+    """Compile into a scratch file beside ``library``, then rename it there: the cache never
+    holds a partial library. Returns what ``compile`` returns."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        staged = Path(scratch) / library.name
+        result = compile(staged)
+        os.replace(staged, library)
+    return result
 
 
 def _lower_library(variants: List[PlannedVariant]) -> str:
@@ -268,11 +292,7 @@ def build_libraries(
 
     def compile_one(name: str):
         source, library, report = to_compile[name]
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-            staged = Path(scratch) / library.name
-            figures = nvcc_step.compile_library(tools["nvcc_path"], source, staged)
-            os.replace(staged, library)
+        figures = _compile_atomically(library, lambda staged: nvcc_step.compile_library(tools["nvcc_path"], source, staged))
         _atomic_write(report, json.dumps(figures, sort_keys=True).encode())
         return name, library, figures
 
@@ -282,8 +302,12 @@ def build_libraries(
                 objects[name] = (library, figures)
                 tick("compile", 1)
 
-    manifest = {**_manifest(libraries, sources, objects, tools, fingerprint), **(extra or {})}
-    published = publish(out_dir, manifest, {name: (sources[name][0], objects[name][0]) for name in libraries})
+    torch_ops, torch_ops_entry = build_torch_ops(cache_dir, tools)
+    manifest = {**_manifest(libraries, sources, objects, tools, fingerprint), "torch_ops": torch_ops_entry, **(extra or {})}
+    files = {TORCH_OPS_LIBRARY: torch_ops, TORCH_OPS_SOURCE.name: TORCH_OPS_SOURCE}
+    for name in libraries:
+        files[f"{name}.cu"], files[f"{name}.so"] = sources[name][0], objects[name][0]
+    published = publish(out_dir, manifest, files)
     return BuildReport(
         bundle=out_dir,
         variants=sum(len(v) for v in libraries.values()),
@@ -293,6 +317,25 @@ def build_libraries(
         published=published,
         seconds=time.time() - started,
     )
+
+
+def build_torch_ops(cache_dir: Path, tools: Dict[str, str]) -> Tuple[Path, Dict]:
+    """torch_ops.so from the compile cache or nvcc, and its manifest entry."""
+    import torch
+
+    source_sha = sha256_file(TORCH_OPS_SOURCE)
+    library = cache_dir / "compiled" / f"{torch_ops_key(source_sha, tools, torch.__version__)}.so"
+    if not library.exists():
+        _compile_atomically(library, lambda staged: nvcc_step.compile_torch_ops(tools["nvcc_path"], TORCH_OPS_SOURCE, staged))
+    entry = {
+        "library": TORCH_OPS_LIBRARY,
+        "sha256": sha256_file(library),
+        "source": TORCH_OPS_SOURCE.name,
+        "source_sha256": source_sha,
+        "torch_stable_target": ".".join(map(str, nvcc_step.TORCH_STABLE_TARGET)),
+        "built_with_torch": torch.__version__,
+    }
+    return library, entry
 
 
 def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
@@ -323,8 +366,9 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
     return manifest
 
 
-def publish(out_dir: Path, manifest: Dict, files: Dict[str, Tuple[Path, Path]]) -> bool:
-    """Stage the bundle, rename it into ``bundles/``, then point ``CURRENT`` at it.
+def publish(out_dir: Path, manifest: Dict, files: Dict[str, Path]) -> bool:
+    """Stage the bundle (``files``: name in the bundle -> where it is now), rename it into
+    ``bundles/``, then point ``CURRENT`` at it.
 
     Returns False when the live bundle already has this exact content.
     """
@@ -336,9 +380,8 @@ def publish(out_dir: Path, manifest: Dict, files: Dict[str, Tuple[Path, Path]]) 
     _remove_abandoned_staging(out_dir / "bundles")
     staging = Path(tempfile.mkdtemp(dir=out_dir / "bundles", prefix=f".staging-{os.getpid()}-"))
     try:
-        for name, (source, library) in files.items():
-            shutil.copyfile(source, staging / f"{name}.cu")
-            shutil.copyfile(library, staging / f"{name}.so")
+        for name, path in files.items():
+            shutil.copyfile(path, staging / name)
         (staging / MANIFEST_FILE).write_bytes(body)
         try:
             os.rename(staging, bundle_dir(out_dir, digest))

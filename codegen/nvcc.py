@@ -1,4 +1,9 @@
-"""nvcc: find it, identify it, and compile one translation unit into a shared library."""
+"""nvcc: find it, identify it, and compile one translation unit into a shared library.
+
+Two kinds of library: the kernels (CUDA C++ from TVM, needing only libtvm_ffi and
+libcudart), and the torch ops' C++ implementation (``torch_ops.cpp``, host code against
+torch's stable ABI, so that it runs on any torch from ``TORCH_STABLE_TARGET`` on).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,14 @@ from typing import Dict, List
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 #: No --use_fast_math: it makes y / s an approximate division and breaks the contract.
 NVCC_FLAGS = ["-shared", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", GENCODE, "-Xptxas", "-v"]
+
+
+#: The oldest torch whose stable ABI has what torch_ops.cpp uses (str arguments, torch_call_dispatcher).
+TORCH_STABLE_TARGET = (2, 10)
+TORCH_OPS_FLAGS = [
+    "-shared", "-O2", "-std=c++17", "-Xcompiler", "-fPIC",
+    f"-DTORCH_TARGET_VERSION=0x{TORCH_STABLE_TARGET[0]:02x}{TORCH_STABLE_TARGET[1]:02x}000000000000",
+]
 
 
 class NvccError(RuntimeError):
@@ -61,6 +74,29 @@ def compile_command(nvcc: str, source: Path, library: Path) -> List[str]:
     ]
 
 
+def torch_paths() -> Dict[str, str]:
+    """Include and library directories of the installed torch (its headers carry the stable ABI)."""
+    import torch
+
+    root = Path(torch.__file__).parent
+    return {"include": str(root / "include"), "libdir": str(root / "lib")}
+
+
+def torch_ops_command(nvcc: str, source: Path, library: Path) -> List[str]:
+    """libtorch_cpu for the C shim; libtorch_cuda's stream getter is looked up at run time."""
+    paths, torch_dirs = ffi_paths(), torch_paths()
+    return [
+        nvcc, *TORCH_OPS_FLAGS,
+        f"-I{torch_dirs['include']}", f"-I{paths['include']}", f"-I{paths['dlpack']}",
+        "-o", str(library), str(source),
+        f"-L{paths['libdir']}", "-ltvm_ffi", f"-L{torch_dirs['libdir']}", "-ltorch_cpu", "-lcudart",
+    ]
+
+
+def compile_torch_ops(nvcc: str, source: Path, library: Path) -> None:
+    _run(torch_ops_command(nvcc, source, library), source)
+
+
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USAGE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
@@ -82,8 +118,13 @@ def parse_ptxas(log: str) -> Dict[str, Dict[str, int]]:
 
 def compile_library(nvcc: str, source: Path, library: Path) -> Dict[str, Dict[str, int]]:
     """Compile ``source`` into ``library``; returns the ptxas figures per kernel."""
-    result = subprocess.run(compile_command(nvcc, source, library), capture_output=True, text=True)
+    return parse_ptxas(_run(compile_command(nvcc, source, library), source))
+
+
+def _run(command: List[str], source: Path) -> str:
+    """Run nvcc; its output, or NvccError with the tail of what it said."""
+    result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-20:])
         raise NvccError(f"nvcc failed on {source.name} (exit {result.returncode}):\n{tail}")
-    return parse_ptxas(result.stderr + result.stdout)
+    return result.stderr + result.stdout

@@ -59,13 +59,59 @@ def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
     assert bundle.entry(SPECS[2].name)["rule"] == "dynamic_rows" and bundle.entry(SPECS[0].name)["rule"] == "row_resident"
 
 
+SYSTEM_LIBRARIES = {"libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6"}
+
+
+def _needed(library: Path) -> set:
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    return {line.split("[")[1].split("]")[0] for line in dynamic.splitlines() if "(NEEDED)" in line}
+
+
 def test_libraries_need_only_tvm_ffi_and_cudart(built):
     root, _ = built
     bundle = Bundle(root / "bundle")
     for library in bundle.manifest["libraries"]:
-        needed = subprocess.run(["readelf", "-d", str(bundle.path / library)], capture_output=True, text=True).stdout
-        names = {line.split("[")[1].split("]")[0] for line in needed.splitlines() if "(NEEDED)" in line}
-        assert names - {"libtvm_ffi.so", "libcudart.so.13", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6"} == set(), names
+        names = _needed(bundle.path / library)
+        assert names - {"libtvm_ffi.so", "libcudart.so.13"} - SYSTEM_LIBRARIES == set(), names
+
+
+def test_the_torch_ops_library_uses_only_torchs_stable_c_abi(built):
+    """So one build runs on every torch from its target on (the build machine's torch 2.13
+    CPU build made the library the H200's torch 2.11 runs): no C++ symbol of torch, c10 or ATen."""
+    import torch
+
+    bundle = Bundle(built[0] / "bundle")
+    entry = bundle.torch_ops
+    assert (entry["library"], entry["source"], entry["torch_stable_target"]) == ("torch_ops.so", "torch_ops.cpp", "2.10")
+    assert entry["built_with_torch"] == torch.__version__
+    library = bundle.path / entry["library"]
+    assert _needed(library) - {"libtvm_ffi.so", "libtorch_cpu.so", "libcudart.so.13"} - SYSTEM_LIBRARIES == set()
+    symbols = subprocess.run(["nm", "-D", "--undefined-only", str(library)], capture_output=True, text=True, check=True).stdout.split()
+    assert not [symbol for symbol in symbols if symbol.startswith(("_ZN3c10", "_ZN2at", "_ZN5torch", "_ZNK3c10", "_ZNK2at"))]
+    assert "aoti_torch_empty_strided" in symbols and "torch_library_impl" in symbols
+
+
+def test_the_torch_ops_library_takes_the_cuda_kernels_of_the_allocating_ops(built):
+    """Loaded into this torch (a CPU build: ``native`` declines it, with the reason), the
+    library registers the CUDA kernels and accepts the bundle's entry points."""
+    script = (
+        "import sys, torch; from tvm_rmsquant import native; from tvm_rmsquant.loader import Bundle;"
+        "bundle = Bundle(sys.argv[1]); print(native.unavailable(bundle)); register = native._load(bundle);"
+        "name = bundle.names()[0];"
+        "print(register(name, bundle.function(name), 128, True, True, True, False, 9, 0));"
+        "ops = ('rms_norm_group_quant', 'fused_add_rms_norm_group_quant', 'add_rms_norm_group_quant', 'rms_norm_per_block_quant');"
+        "[print(op, [l for l in torch._C._dispatch_dump('tvm_rmsquant::' + op).splitlines() if l.startswith('CUDA')]) for op in ops]"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(built[0] / "bundle")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    import torch
+
+    assert lines[0] == f"torch {torch.__version__} is a CPU build"
+    assert lines[1] == "1"  # variants registered
+    for line in lines[2:5]:
+        assert "torch_ops.cpp" in line, line
+    assert "torch_ops.cpp" not in lines[5] and "ops.py" in lines[5]  # the out-variant stays Python
 
 
 def test_entry_points_check_their_arguments_on_the_host(built):
@@ -208,6 +254,7 @@ def _copy_with_manifest(built, tmp_path, change):
         (lambda m: m.update(schema_version=99), r"schema_version=99, this package reads"),
         (lambda m: m["toolchain"].update(target_arch="sm_80"), r"targets 'sm_80', which this package cannot run"),
         (lambda m: next(iter(m["libraries"].values())).update(sha256="0" * 64), r"has sha256 .*the manifest says 000000000000"),
+        (lambda m: m["torch_ops"].update(sha256="0" * 64), r"torch_ops.so has sha256 .*the manifest says 000000000000"),
     ],
 )
 def test_manifest_mismatches_are_refused_with_the_reason(built, tmp_path, change, reason):

@@ -23,12 +23,28 @@ def _check(spec, x, w, r_before, got):
     assert agreement.passed, agreement.describe()
 
 
+def test_cuda_calls_of_the_allocating_ops_run_their_cpp_implementation(gpu_bundle):
+    """One dispatcher entry per eager call: torch_ops.cpp's kernels, not the Python fallback."""
+    kernel = select(K, torch.bfloat16, residual=True, scale_layout="col", scale_format="ue8m0", bundle=gpu_bundle.root)
+    assert kernel.kernel is None and "through the C++ torch op" in kernel.why[-1].reason, kernel.why
+    for op in ("rms_norm_group_quant", "fused_add_rms_norm_group_quant", "add_rms_norm_group_quant"):
+        table = torch._C._dispatch_dump(f"tvm_rmsquant::{op}")
+        cuda = next(line for line in table.splitlines() if line.startswith("CUDA"))
+        assert "torch_ops.cpp" in cuda, table
+    inputs = random_inputs(SPEC, 70, K, seed=6, device="cuda")
+    residual = inputs["residual"].clone()
+    q, scales, residual_out = ops.add_rms_norm_group_quant(inputs["x"], residual, inputs["weight"], 1e-6, SPEC.name)
+    assert torch.equal(residual, inputs["residual"]), "the functional form must leave its residual input alone"
+    _check(SPEC, inputs["x"], inputs["weight"], inputs["residual"], (q, scales, residual_out))
+
+
 def test_opcheck_on_cuda(gpu_bundle):
     ops.use_bundle(gpu_bundle)
     inputs = random_inputs(SPEC, 33, K, seed=1, device="cuda")
     torch.library.opcheck(ops.fused_add_rms_norm_group_quant, (inputs["x"], inputs["residual"], inputs["weight"], 1e-6, SPEC.name))
     plain = VariantSpec("bf16", K, 128, layout="col")
     torch.library.opcheck(ops.rms_norm_group_quant, (inputs["x"], inputs["weight"], 1e-6, plain.name))
+    torch.library.opcheck(ops.add_rms_norm_group_quant, (inputs["x"], inputs["residual"], inputs["weight"], 1e-6, SPEC.name))
 
 
 def test_graph_replay_with_new_inputs_gives_fresh_correct_outputs(gpu_bundle):

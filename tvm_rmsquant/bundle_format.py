@@ -1,7 +1,7 @@
 """On-disk layout of a kernel bundle, shared by the builder and the loader.
 
     <dir>/CURRENT                    digest of the live bundle
-    <dir>/bundles/<digest>/manifest.json, lib_*.so, lib_*.cu
+    <dir>/bundles/<digest>/manifest.json, lib_*.so, lib_*.cu, torch_ops.so, torch_ops.cpp
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 #: 2: a variant's entry point picks its M-bucket kernels in C++.
-SCHEMA_VERSION = 2
+#: 3: the bundle ships the allocating torch ops' C++ implementation (torch_ops.so).
+SCHEMA_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 CURRENT_FILE = "CURRENT"
 

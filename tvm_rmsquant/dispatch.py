@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import ops, reference
+from . import native, ops, reference
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES
 from .spec import VariantSpec
@@ -39,13 +39,26 @@ class Candidate:
     reason: str
 
 
+def _dispatcher_entry(overload):
+    """An op overload's C++ callable: the same dispatcher entry without OpOverload's Python frame."""
+    return getattr(overload, "_op", overload)
+
+
+#: The ops a BoundKernel calls, (without residual, with residual): while torch.compile traces
+#: (the graph records these), and eagerly.
+TRACED_OPS = (ops.rms_norm_group_quant.default, ops.fused_add_rms_norm_group_quant.default)
+EAGER_OPS = tuple(map(_dispatcher_entry, TRACED_OPS))
+_is_compiling = torch.compiler.is_compiling
+
+
 @dataclasses.dataclass
 class BoundKernel:
     """One layer's fused norm + quant, fixed at init. Call with (x, weight, eps, residual).
 
-    Under torch.compile it calls the torch op, which the graph records. In eager mode it
-    calls the same kernel directly (``kernel``, bound at init), which saves the torch
-    dispatcher's per-call cost; both paths run the same code with the same checks.
+    It calls the torch op, which torch.compile records and which, eagerly on CUDA, is one
+    dispatcher entry into the bundle's C++ implementation. Where that cannot load,
+    ``kernel`` (bound at init) is the Python implementation, called directly in eager mode
+    to save the dispatcher's cost; every path runs the same kernel with the same checks.
     """
 
     spec: VariantSpec
@@ -56,22 +69,39 @@ class BoundKernel:
     #: (the reference's scale allocation names its device).
     device_type: str = "cuda"
 
+    def __post_init__(self):
+        # The eager op for this variant's arguments, looked up once (None: take the general path).
+        eager = self.variant is not None and self.kernel is None and not self.spec.scale_ub
+        self._eager_op = EAGER_OPS[self.spec.residual] if eager else None
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None, scale_ub=None):
         """(q, scales) for x [..., K]; ``residual`` (if the variant has one) is updated in place."""
+        op = self._eager_op
+        # The per-step path, kept to a few bytecodes: 2-D x, the variant's own arguments, eager.
+        if op is not None and (residual is None) is not self.spec.residual and x.dim() == 2 and not _is_compiling():
+            return op(x, weight, eps, self.variant) if residual is None else op(x, residual, weight, eps, self.variant)
+        return self._call(x, weight, eps, residual, scale_ub)
+
+    def _call(self, x, weight, eps, residual, scale_ub):
         flat, residual_flat = x, residual
         if x.dim() != 2:
             flat = x.reshape(-1, x.shape[-1])
             residual_flat = None if residual is None else residual.view(flat.shape)
-        if self.kernel is not None and not torch.compiler.is_compiling():
-            q, scales = self.kernel(flat, weight, eps, residual=residual_flat, scale_ub=scale_ub)
-        elif self.variant is None:
+        compiling = _is_compiling()
+        if self.variant is None:
             q, scales, residual_out = reference.rms_norm_group_quant(flat, weight, eps, self.spec, residual_flat, scale_ub)
             if residual is not None:
                 residual.copy_(residual_out.view(residual.shape))
-        elif self.spec.residual:
-            q, scales = ops.fused_add_rms_norm_group_quant(flat, residual_flat, weight, eps, self.variant, scale_ub)
+        elif self.kernel is not None and not compiling:
+            q, scales = self.kernel(flat, weight, eps, residual=residual_flat, scale_ub=scale_ub)
         else:
-            q, scales = ops.rms_norm_group_quant(flat, weight, eps, self.variant, scale_ub)
+            plain, fused = TRACED_OPS if compiling else EAGER_OPS
+            # scale_ub only when given: an explicit None costs the dispatcher's argument parsing.
+            cap = () if scale_ub is None else (scale_ub,)
+            if residual_flat is None:
+                q, scales = plain(flat, weight, eps, self.variant, *cap)
+            else:
+                q, scales = fused(flat, residual_flat, weight, eps, self.variant, *cap)
         return (q if flat is x else q.view(x.shape)), scales
 
 
@@ -153,9 +183,10 @@ def select(
             if reason is not None:
                 why.append(Candidate(candidate.name, False, reason))
                 continue
-            ops.use_bundle(opened)
+            no_native = ops.use_bundle(opened)
             chosen = candidate
-            why.append(Candidate(candidate.name, True, f"{opened.entry(candidate.name)['rule']} kernel from {opened.path}"))
+            route = "the C++ torch op" if no_native is None else f"the Python torch op: {no_native}"
+            why.append(Candidate(candidate.name, True, f"{opened.entry(candidate.name)['rule']} kernel from {opened.path}, called through {route}"))
             break
     elif device.type == "cpu":
         # CPU: the op runs the llvm build of this static spec (or the reference without TVM).
@@ -167,7 +198,6 @@ def select(
         logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
         return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type)
-    bound = BoundKernel(spec=chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen, variant=chosen.name, why=why, device_type=device.type)
-    if device.type == "cuda":
-        bound.kernel = ops.kernel(chosen.name, device)
-    return bound
+    spec_bound = chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen
+    kernel = ops.kernel(chosen.name, device) if device.type == "cuda" and not native.active(opened, chosen.name) else None
+    return BoundKernel(spec=spec_bound, variant=chosen.name, why=why, kernel=kernel, device_type=device.type)

@@ -81,7 +81,9 @@ class Bundle:
             )
         if manifest["toolchain"]["target_arch"] not in ARCH_CAPABILITY:
             raise BundleError(f"bundle targets {manifest['toolchain']['target_arch']!r}, which this package cannot run")
-        for library, entry in manifest["libraries"].items():
+        files = [(library, entry) for library, entry in manifest["libraries"].items()]
+        files.append((manifest["torch_ops"]["library"], manifest["torch_ops"]))
+        for library, entry in files:
             for name, expected in ((library, entry["sha256"]), (entry["source"], entry["source_sha256"])):
                 path = self.path / name
                 if not path.exists():
@@ -116,6 +118,11 @@ class Bundle:
                 f"bundle is built for {self.target_arch} (compute capability {wanted[0]}.{wanted[1]}), "
                 f"the device has {capability[0]}.{capability[1]}"
             )
+
+    @property
+    def torch_ops(self) -> Dict:
+        """The manifest entry of the torch ops' C++ implementation (``tvm_rmsquant.native``)."""
+        return self.manifest["torch_ops"]
 
     # -- kernels ---------------------------------------------------------------------------------
 

@@ -2,20 +2,23 @@
 
 ``variant`` names a ``VariantSpec`` (static or dynamic K). CUDA kernels come from the
 registered bundle (``use_bundle``, called by the dispatcher at init, or the default
-bundle on first use); CPU calls run the llvm build of the same tensor expression where
-the TVM compiler is installed, else the torch reference. Fake implementations give the
-exact shapes, dtypes and strides, the TMA-padded col layout included.
+bundle on first use). On CUDA the allocating ops run the bundle's C++ implementation
+(``tvm_rmsquant.native``) where this torch can load it, else the Python one below, which
+is registered for every backend without a kernel of its own; CPU calls run the llvm build
+of the same tensor expression where the TVM compiler is installed, else the torch
+reference. Fake implementations give the exact shapes, dtypes and strides, the
+TMA-padded col layout included.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import cpu, launch, reference
+from . import cpu, launch, native, reference
 from .loader import open_bundle
 from .spec import TMA_ALIGN_ROWS, VariantSpec
 
@@ -42,12 +45,14 @@ _library.define(
 _BUNDLES = {}
 
 
-def use_bundle(bundle) -> None:
-    """Route CUDA calls of this bundle's variants to it (later registrations win)."""
+def use_bundle(bundle) -> Optional[str]:
+    """Route CUDA calls of this bundle's variants to it (later registrations win), through
+    the C++ ops where this torch can load them; returns why not, or None when it does."""
     for name in bundle.names():
         _BUNDLES[name] = bundle
     _KERNELS.clear()
     _per_block_variant.cache_clear()
+    return native.activate(bundle) if torch.cuda.is_available() else "no CUDA device"
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +147,10 @@ def _kernel_of(variant: str, x: torch.Tensor) -> Kernel:
 
 def _load_kernel(spec: VariantSpec, device: torch.device) -> Kernel:
     if device.type == "cuda":
-        bundle = _BUNDLES.get(spec.name) or open_bundle()
+        bundle = _BUNDLES.get(spec.name)
+        if bundle is None:
+            bundle = open_bundle()
+            use_bundle(bundle)
         bundle.check_device(torch.cuda.get_device_capability(device))
         return Kernel(spec, bundle.function(spec.name), checks_natively=True)
     if device.type == "cpu":
@@ -264,10 +272,12 @@ for _name, _function in (
     ("rms_norm_group_quant", _rms_norm_group_quant),
     ("fused_add_rms_norm_group_quant", _fused_add_rms_norm_group_quant),
     ("add_rms_norm_group_quant", _add_rms_norm_group_quant),
-    ("rms_norm_per_block_quant", _rms_norm_per_block_quant),
 ):
     _library.impl(_name, _function, "CPU")
-    _library.impl(_name, _function, "CUDA")
+    # CUDA, until the C++ implementation registers its own CUDA kernel (which then wins).
+    _library.impl(_name, _function, "CompositeExplicitAutograd")
+_library.impl("rms_norm_per_block_quant", _rms_norm_per_block_quant, "CPU")
+_library.impl("rms_norm_per_block_quant", _rms_norm_per_block_quant, "CUDA")
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rms_norm_group_quant")

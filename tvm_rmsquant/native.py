@@ -1,0 +1,83 @@
+"""The allocating ops' CUDA implementation in C++ (a bundle's ``torch_ops.so``).
+
+With it, an eager CUDA call of ``rms_norm_group_quant``, ``fused_add_rms_norm_group_quant``
+or ``add_rms_norm_group_quant`` is one torch dispatcher entry: C++ allocates q and the
+scales and launches the variant's kernel on torch's current stream
+(``codegen/torch_ops.cpp``). Without it (a CPU-only torch, a torch older than the
+library's stable-ABI target, a library that fails to load), those ops run their Python
+implementation, which makes the same kernel call through tvm-ffi.
+
+One library is loaded per process: the first bundle's. Its ops serve every bundle, since
+each bundle registers its variants' entry points with it (``activate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+from .loader import ARCH_CAPABILITY, Bundle, BundleError
+from .spec import VariantSpec
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_register = None  # the loaded library's register_variant
+_owners = {}  # variant -> the bundle whose entry point the C++ ops run (the latest registered)
+
+
+def _version(text: str):
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+
+def unavailable(bundle: Bundle) -> Optional[str]:
+    """Why this torch cannot run the bundle's torch ops library; None when it can."""
+    entry = bundle.torch_ops
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if _version(torch.__version__) < _version(entry["torch_stable_target"]):
+        return f"torch {torch.__version__} predates the library's stable-ABI target {entry['torch_stable_target']}"
+    return None
+
+
+def _load(bundle: Bundle):
+    global _register
+    if _register is None:
+        import tvm_ffi
+
+        path = str(bundle.path / bundle.torch_ops["library"])
+        try:
+            torch.ops.load_library(path)
+            _register = tvm_ffi.load_module(path)["register_variant"]
+        except (OSError, RuntimeError) as error:
+            raise BundleError(f"{path} did not load into torch {torch.__version__}: {error}") from None
+    return _register
+
+
+def activate(bundle: Bundle) -> Optional[str]:
+    """Route the bundle's variants through the C++ ops; None when done, else why not (logged)."""
+    reason = unavailable(bundle)
+    if reason is None:
+        try:
+            with _lock:
+                register = _load(bundle)
+                major, minor = ARCH_CAPABILITY[bundle.target_arch]
+                for name in bundle.names():
+                    if _owners.get(name) != bundle.path:
+                        spec = VariantSpec.parse(name)
+                        register(name, bundle.function(name), spec.group, spec.layout == "col", spec.format == "ue8m0_packed",
+                                 spec.residual, spec.scale_ub, major, minor)
+                        _owners[name] = bundle.path
+        except BundleError as error:
+            reason = str(error)
+    if reason is not None:
+        logger.warning("tvm_rmsquant: CUDA ops run their Python implementation (%s)", reason)
+    return reason
+
+
+def active(bundle: Bundle, name: str) -> bool:
+    """Whether CUDA calls of variant ``name`` run the C++ ops."""
+    return _owners.get(name) == bundle.path
