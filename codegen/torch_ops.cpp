@@ -1,11 +1,12 @@
 // The CUDA implementation of the allocating torch ops (rms_norm_group_quant,
 // fused_add_rms_norm_group_quant, add_rms_norm_group_quant), in C++.
 //
-// Why C++: an eager call from Python spent most of its host time on two Python
-// allocations and the tvm-ffi crossing (docs/perf.md, host overhead). Here the torch
-// dispatcher calls straight into this file, which allocates q and the scales with torch's
-// caching allocator and calls the variant's entry point (codegen/row_views.cuh) through
-// tvm-ffi's C API, on torch's current stream: one dispatcher entry per call.
+// Why C++: with a Python implementation, every dispatched call (a compiled graph's, an
+// engine's direct torch.ops call) also ran a Python kernel frame, two Python allocations
+// and a tvm-ffi crossing (docs/perf.md, host overhead). Here the torch dispatcher calls
+// straight into this file, which allocates q and the scales with torch's caching allocator
+// and calls the variant's entry point (codegen/row_views.cuh) through tvm-ffi's C API, on
+// torch's current stream: one dispatcher entry per call.
 //
 // It is built against torch's stable ABI (TORCH_TARGET_VERSION), so one library runs on
 // every torch from that version on, whichever torch built it. Python registers each

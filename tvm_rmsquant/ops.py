@@ -64,9 +64,10 @@ class Kernel:
     """One variant's entry point on one device, with what every call needs worked out once.
 
     ``function`` follows ``tvm_rmsquant.launch`` (a bundle's CUDA kernel, the llvm build,
-    or the reference). On CUDA a call allocates q and the scales and makes one tvm-ffi
-    call: the entry point checks the arguments, views rows by groups and skips M = 0 in
-    C++, which keeps the per-call Python work to a few attribute reads.
+    or the reference). On CUDA this is the Python implementation, for a torch that cannot
+    load the C++ ops (``tvm_rmsquant.native``), which do the same: a call allocates q and
+    the scales and makes one tvm-ffi call; the entry point checks the arguments, views rows
+    by groups and skips M = 0 in C++.
     """
 
     def __init__(self, spec: VariantSpec, function, checks_natively: bool):
