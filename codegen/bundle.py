@@ -177,16 +177,9 @@ def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], fingerpr
     return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
 
 
-def compile_key(source_sha: str, tools: Dict[str, str]) -> str:
-    payload = {"source": source_sha, "nvcc": tools["nvcc"], "flags": nvcc_step.NVCC_FLAGS, "tvm_ffi": tools["apache-tvm-ffi"]}
-    return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
-
-
-def torch_ops_key(source_sha: str, tools: Dict[str, str], torch_version: str) -> str:
-    payload = {
-        "source": source_sha, "nvcc": tools["nvcc"], "flags": nvcc_step.TORCH_OPS_FLAGS,
-        "tvm_ffi": tools["apache-tvm-ffi"], "torch": torch_version,
-    }
+def compile_key(source_sha: str, tools: Dict[str, str], flags=nvcc_step.NVCC_FLAGS, **more: str) -> str:
+    """The compile cache's key of one source; ``more`` names what else the library depends on."""
+    payload = {"source": source_sha, "nvcc": tools["nvcc"], "flags": flags, "tvm_ffi": tools["apache-tvm-ffi"], **more}
     return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
 
 
@@ -324,7 +317,7 @@ def build_torch_ops(cache_dir: Path, tools: Dict[str, str]) -> Tuple[Path, Dict]
     import torch
 
     source_sha = sha256_file(TORCH_OPS_SOURCE)
-    library = cache_dir / "compiled" / f"{torch_ops_key(source_sha, tools, torch.__version__)}.so"
+    library = cache_dir / "compiled" / f"{compile_key(source_sha, tools, nvcc_step.TORCH_OPS_FLAGS, torch=torch.__version__)}.so"
     if not library.exists():
         _compile_atomically(library, lambda staged: nvcc_step.compile_torch_ops(tools["nvcc_path"], TORCH_OPS_SOURCE, staged))
     entry = {

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import native, ops, reference
+from . import ops, reference
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES
 from .spec import VariantSpec
@@ -199,5 +199,5 @@ def select(
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
         return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type)
     spec_bound = chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen
-    kernel = ops.kernel(chosen.name, device) if device.type == "cuda" and not native.active(opened, chosen.name) else None
+    kernel = ops.kernel(chosen.name, device) if device.type == "cuda" and no_native is not None else None
     return BoundKernel(spec=spec_bound, variant=chosen.name, why=why, kernel=kernel, device_type=device.type)

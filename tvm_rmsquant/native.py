@@ -76,8 +76,3 @@ def activate(bundle: Bundle) -> Optional[str]:
     if reason is not None:
         logger.warning("tvm_rmsquant: CUDA ops run their Python implementation (%s)", reason)
     return reason
-
-
-def active(bundle: Bundle, name: str) -> bool:
-    """Whether CUDA calls of variant ``name`` run the C++ ops."""
-    return _owners.get(name) == bundle.path
