@@ -8,17 +8,22 @@ A pipeline of plain steps:
     torch ops   torch_ops.cpp -> torch_ops.so     cached on the source, toolchain and torch
     publish     stage a bundle, then switch ``CURRENT`` to it atomically
 
+Every cache entry has a record of its size and sha256 (``<key>.json``): an entry that no
+longer matches it is made again, never hashed into a manifest that would verify.
+
 The bundle directory holds ``bundles/<digest>/`` (manifest, .so, .cu, the torch ops'
 .so and .cpp) and a ``CURRENT``
 file naming the live one. Readers follow ``CURRENT`` once, so a build that is killed,
-fails, or races another never leaves them a half-written bundle.
+fails, or races another never leaves them a half-written bundle. Builds publish one at a
+time, under an flock of the bundle directory's ``.lock``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
-import errno
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -30,7 +35,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tvm_rmsquant import __version__, launch
-from tvm_rmsquant.bundle_format import CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_cache_dir, read_current, sha256_file
+from tvm_rmsquant.bundle_format import (CURRENT_FILE, LOCK_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_cache_dir,
+                                        manifest_digest, read_current, sha256_file)
+from tvm_rmsquant.loader import BundleError
 from tvm_rmsquant.schedules import default_schedule
 from tvm_rmsquant.spec import VariantSpec
 
@@ -187,10 +194,12 @@ def compile_key(source_sha: str, tools: Dict[str, str], flags=nvcc_step.NVCC_FLA
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temporary file and rename, so that a reader never sees a partial file."""
+    """Write via a temporary file and rename, so that a reader never sees a partial file;
+    mode 0644, not mkstemp's 0600, so that other users can read a published ``CURRENT``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(handle, 0o644)
         with os.fdopen(handle, "wb") as out:
             out.write(data)
             out.flush()
@@ -201,15 +210,47 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _compile_atomically(library: Path, compile: Callable[[Path], object]):
-    """Compile into a scratch file beside ``library``, then rename it there: the cache never
-    holds a partial library. Returns what ``compile`` returns."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        staged = Path(scratch) / library.name
-        result = compile(staged)
-        os.replace(staged, library)
-    return result
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an flock of ``path`` (created if missing). The kernel keeps it for a process of any
+    PID namespace and drops it when its holder dies, so no pid has to be asked if it lives."""
+    handle = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
+
+
+def _cached(artifact: Path) -> Optional[Dict]:
+    """The record (``<key>.json``: sha256, size, and what ``_store`` was given) of a cache entry
+    whose artifact still matches it; None for a missing, truncated or altered one. A truncated
+    library reused blindly is hashed into a manifest that verifies, and SIGBUSes at first use."""
+    try:
+        record = json.loads(artifact.with_suffix(".json").read_bytes())
+        if artifact.stat().st_size == record["size"] and sha256_file(artifact) == record["sha256"]:
+            return record
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _store(artifact: Path, make: Callable[[Path], Optional[Dict]]) -> Dict:
+    """Make a cache entry in a scratch directory (``make(path)`` writes it and returns what else
+    to record), then move it in under the cache folder's lock unless a racing build stored a good
+    one first, which is then used: a good entry never changes, so what a build hashed is what it
+    copies later, and the cache never holds a partial file. Returns the entry's record."""
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=artifact.parent) as scratch:
+        staged = Path(scratch) / artifact.name
+        record = {**(make(staged) or {}), "sha256": sha256_file(staged), "size": staged.stat().st_size}
+        with _locked(artifact.parent / LOCK_FILE):
+            stored = _cached(artifact)
+            if stored is not None:
+                return stored
+            os.replace(staged, artifact)
+            _atomic_write(artifact.with_suffix(".json"), json.dumps(record, sort_keys=True).encode())
+    return record
 
 
 def _lower_library(variants: List[PlannedVariant]) -> str:
@@ -220,6 +261,19 @@ def _lower_library(variants: List[PlannedVariant]) -> str:
 
 
 # -- build ------------------------------------------------------------------------------------
+
+
+def unwritable(path: Path) -> Optional[str]:
+    """Why the build cannot write the directory ``path`` (made if missing), or None. Asked before
+    any work, so that misuse is refused at once, not after minutes of lowering and nvcc."""
+    existing = next(parent for parent in (path, *path.parents) if os.path.exists(parent))
+    if not existing.is_dir():
+        return f"{existing} is a file; give a directory (made if missing)"
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        return f"{existing} cannot be written ({error.strerror}); give a writable directory"
+    return None
 
 
 def build(
@@ -255,8 +309,9 @@ def build_libraries(
     to_lower = {}
     for name, variants in libraries.items():
         cached = cache_dir / "lowered" / f"{lowering_key(variants, tools, fingerprint)}.cu"
-        if cached.exists():
-            sources[name] = (cached, sha256_file(cached))
+        record = _cached(cached)
+        if record is not None:
+            sources[name] = (cached, record["sha256"])
             tick("lower", len(variants))
         else:
             to_lower[name] = (cached, variants)
@@ -268,38 +323,36 @@ def build_libraries(
                 name = futures[future]
                 cached, variants = to_lower[name]
                 source = future.result().encode()
-                _atomic_write(cached, source)
-                sources[name] = (cached, sha256_bytes(source))
+                record = _store(cached, lambda staged: staged.write_bytes(source) and None)
+                sources[name] = (cached, record["sha256"])
                 tick("lower", len(variants))
 
     objects: Dict[str, Tuple[Path, Dict]] = {}
     to_compile = {}
     for name, (source, source_sha) in sources.items():
-        key = compile_key(source_sha, tools)
-        library, report = cache_dir / "compiled" / f"{key}.so", cache_dir / "compiled" / f"{key}.json"
-        if library.exists() and report.exists():
-            objects[name] = (library, json.loads(report.read_text()))
+        library = cache_dir / "compiled" / f"{compile_key(source_sha, tools)}.so"
+        record = _cached(library)
+        if record is not None:
+            objects[name] = (library, record)
             tick("compile", 1)
         else:
-            to_compile[name] = (source, library, report)
+            to_compile[name] = (source, library)
 
     def compile_one(name: str):
-        source, library, report = to_compile[name]
-        figures = _compile_atomically(library, lambda staged: nvcc_step.compile_library(tools["nvcc_path"], source, staged))
-        _atomic_write(report, json.dumps(figures, sort_keys=True).encode())
-        return name, library, figures
+        source, library = to_compile[name]
+        return name, library, _store(library, lambda staged: {"ptxas": nvcc_step.compile_library(tools["nvcc_path"], source, staged)})
 
     if to_compile:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            for name, library, figures in pool.map(compile_one, sorted(to_compile)):
-                objects[name] = (library, figures)
+            for name, library, record in pool.map(compile_one, sorted(to_compile)):
+                objects[name] = (library, record)
                 tick("compile", 1)
 
     torch_ops, torch_ops_entry = build_torch_ops(cache_dir, tools)
     manifest = {**_manifest(libraries, sources, objects, tools, fingerprint), "torch_ops": torch_ops_entry, **(extra or {})}
-    files = {TORCH_OPS_LIBRARY: torch_ops, TORCH_OPS_SOURCE.name: TORCH_OPS_SOURCE}
+    files = {TORCH_OPS_LIBRARY: (torch_ops, torch_ops_entry["sha256"]), TORCH_OPS_SOURCE.name: (TORCH_OPS_SOURCE, torch_ops_entry["source_sha256"])}
     for name in libraries:
-        files[f"{name}.cu"], files[f"{name}.so"] = sources[name][0], objects[name][0]
+        files[f"{name}.cu"], files[f"{name}.so"] = sources[name], (objects[name][0], objects[name][1]["sha256"])
     published = publish(out_dir, manifest, files)
     return BuildReport(
         bundle=out_dir,
@@ -318,11 +371,10 @@ def build_torch_ops(cache_dir: Path, tools: Dict[str, str]) -> Tuple[Path, Dict]
 
     source_sha = sha256_file(TORCH_OPS_SOURCE)
     library = cache_dir / "compiled" / f"{compile_key(source_sha, tools, nvcc_step.TORCH_OPS_FLAGS, torch=torch.__version__)}.so"
-    if not library.exists():
-        _compile_atomically(library, lambda staged: nvcc_step.compile_torch_ops(tools["nvcc_path"], TORCH_OPS_SOURCE, staged))
+    record = _cached(library) or _store(library, lambda staged: nvcc_step.compile_torch_ops(tools["nvcc_path"], TORCH_OPS_SOURCE, staged))
     entry = {
         "library": TORCH_OPS_LIBRARY,
-        "sha256": sha256_file(library),
+        "sha256": record["sha256"],
         "source": TORCH_OPS_SOURCE.name,
         "source_sha256": source_sha,
         "torch_stable_target": ".".join(map(str, nvcc_step.TORCH_STABLE_TARGET)),
@@ -340,11 +392,10 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
         "variants": {},
     }
     for name, variants in sorted(libraries.items()):
-        source_sha = sources[name][1]
-        library, figures = objects[name]
-        manifest["libraries"][f"{name}.so"] = {"sha256": sha256_file(library), "source": f"{name}.cu", "source_sha256": source_sha}
+        record = objects[name][1]
+        manifest["libraries"][f"{name}.so"] = {"sha256": record["sha256"], "source": f"{name}.cu", "source_sha256": sources[name][1]}
         for variant in variants:
-            entry = variant.manifest_entry(f"{name}.so", figures)
+            entry = variant.manifest_entry(f"{name}.so", record["ptxas"])
             if variant.candidate:
                 from . import lower  # imports TVM: only candidate bundles need it here
 
@@ -359,48 +410,73 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
     return manifest
 
 
-def publish(out_dir: Path, manifest: Dict, files: Dict[str, Path]) -> bool:
-    """Stage the bundle (``files``: name in the bundle -> where it is now), rename it into
-    ``bundles/``, then point ``CURRENT`` at it.
+def publish(out_dir: Path, manifest: Dict, files: Dict[str, Tuple[Path, str]]) -> bool:
+    """Stage the bundle (``files``: name in the bundle -> where it is now and its sha256), rename
+    it into ``bundles/``, point ``CURRENT`` at it, and prune.
 
-    Returns False when the live bundle already has this exact content.
+    All of it holds the directory's lock: two builds finishing together would otherwise each
+    keep only its own bundle and the one before and delete the other's, which CURRENT may name.
+    So a staging directory exists only while its build holds the lock, and one found under the
+    lock is a dead build's. Files are 0644 and folders 0755, so that other users can load it.
+    Returns False when the live bundle already has this exact content, hashed file by file: a
+    live bundle with a corrupted or missing file gets the good one back, atomically.
     """
     body = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    digest = sha256_bytes(body)[:16]
-    if read_current(out_dir) == digest and (bundle_dir(out_dir, digest) / MANIFEST_FILE).exists():
-        return False
-    (out_dir / "bundles").mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_staging(out_dir / "bundles")
-    staging = Path(tempfile.mkdtemp(dir=out_dir / "bundles", prefix=f".staging-{os.getpid()}-"))
-    try:
-        for name, path in files.items():
-            shutil.copyfile(path, staging / name)
-        (staging / MANIFEST_FILE).write_bytes(body)
-        try:
-            os.rename(staging, bundle_dir(out_dir, digest))
-        except OSError as error:
-            # A racing build published the same content first: theirs is as good as ours.
-            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            shutil.rmtree(staging)
+    digest = manifest_digest(body)
+    hashes = {**{name: sha for name, (_, sha) in files.items()}, MANIFEST_FILE: sha256_bytes(body)}
+    bundles, target = out_dir / "bundles", bundle_dir(out_dir, digest)
+    _make_dirs(bundles)
+    with _locked(out_dir / LOCK_FILE):
         previous = read_current(out_dir)
-        _atomic_write(out_dir / CURRENT_FILE, (digest + "\n").encode())
-        _prune(out_dir / "bundles", keep={digest, previous})
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        if previous == digest and not _damaged(target, hashes):
+            return False
+        for abandoned in bundles.glob(".staging-*"):
+            shutil.rmtree(abandoned, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(dir=bundles, prefix=".staging-"))
+        try:
+            for name, (path, _) in files.items():
+                shutil.copyfile(path, staging / name)
+            (staging / MANIFEST_FILE).write_bytes(body)
+            changed = [str(files[name][0]) for name in _damaged(staging, hashes)]
+            if changed:
+                raise BundleError(f"{', '.join(changed)} changed while the build copied it into the bundle; nothing was published: build again")
+            for path in staging.iterdir():
+                path.chmod(0o644)
+            staging.chmod(0o755)
+            if target.exists():  # published before, maybe damaged since: os.replace swaps each bad file whole
+                for name in _damaged(target, hashes):
+                    os.replace(staging / name, target / name)
+                shutil.rmtree(staging)
+            else:
+                os.rename(staging, target)
+            if previous != digest:
+                _atomic_write(out_dir / CURRENT_FILE, (digest + "\n").encode())
+                _prune(bundles, keep={digest, previous})
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return True
 
 
-def _remove_abandoned_staging(bundles: Path) -> None:
-    """Delete staging directories left by builds that were killed (their pid is gone)."""
-    for staging in bundles.glob(".staging-*"):
+def _damaged(directory: Path, hashes: Dict[str, str]) -> List[str]:
+    """The files of ``directory`` that are missing, unreadable or not the content ``hashes`` names."""
+    damaged = []
+    for name, expected in sorted(hashes.items()):
         try:
-            os.kill(int(staging.name.split("-")[1]), 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            shutil.rmtree(staging, ignore_errors=True)
-        except PermissionError:
+            if sha256_file(directory / name) == expected:
+                continue
+        except OSError:
             pass
+        damaged.append(name)
+    return damaged
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p`` with the folders it makes 0755 whatever the umask, so other users can read the bundle."""
+    if not path.is_dir():
+        _make_dirs(path.parent)
+        path.mkdir(exist_ok=True)
+        path.chmod(0o755)
 
 
 def _prune(bundles: Path, keep) -> None:

@@ -42,7 +42,7 @@ def find_nvcc() -> str:
             return candidate
     raise NvccError(
         "nvcc not found: set NVCC=/path/to/nvcc, put it on PATH, or set CUDA_HOME "
-        "(the build needs CUDA 12.4+ for sm_90a)"
+        "(the build is tested with CUDA 13.0; sm_90a needs CUDA 12 or later)"
     )
 
 
@@ -51,6 +51,15 @@ def nvcc_version(nvcc: str) -> str:
     output = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     builds = [line.strip() for line in output.splitlines() if line.startswith("Build ")]
     return builds[-1] if builds else output.strip().splitlines()[-1]
+
+
+def cuda_major(version: str) -> int:
+    """The CUDA major version in ``nvcc_version``'s line ('Build cuda_13.0.r13.0/...' -> 13),
+    which names the libcudart soname (libcudart.so.13) that the libraries need."""
+    match = re.search(r"(?:cuda_|release )(\d+)\.", version)
+    if match is None:
+        raise NvccError(f"no CUDA version in nvcc's version line {version!r}")
+    return int(match.group(1))
 
 
 def ffi_paths() -> Dict[str, str]:

@@ -6,6 +6,7 @@
 // accepted, at no Python cost per call. It launches on the tensors' device (the generated
 // wrapper uses the current one) and returns before launching when M == 0 (the generated
 // wrapper would launch an empty grid that writes through NULL).
+#include <cfloat>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -72,6 +73,12 @@ static std::string signature(const Contract& contract, int32_t count) {
   return text + ")";
 }
 
+// eps as the kernels add it, in fp32: a positive finite double can still be 0 or inf there
+// (1e-50, 1e39), and the contract is checked in the precision it is used.
+static inline float eps_as_fp32(double eps) {
+  return std::isfinite(eps) && std::fabs(eps) > FLT_MAX ? std::copysign(INFINITY, float(eps > 0 ? 1 : -1)) : float(eps);
+}
+
 static bool same_dtype(DLDataType a, DLDataType b) { return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes; }
 
 static int32_t call_with_group_views(const Contract& contract, const void* args, int32_t num_args, void* result) {
@@ -94,10 +101,11 @@ static int32_t call_with_group_views(const Contract& contract, const void* args,
     if (contract.kinds[i] == kEps) {
       const bool number = given[i].type_index == kTVMFFIFloat || given[i].type_index == kTVMFFIInt;
       const double eps = given[i].type_index == kTVMFFIInt ? double(given[i].v_int64) : given[i].v_float64;
-      if (!number || !(eps > 0.0) || !std::isfinite(eps)) {
+      const float eps_fp32 = eps_as_fp32(eps);
+      if (!number || !(eps_fp32 > 0.0f) || !std::isfinite(eps_fp32)) {
         std::ostringstream value;
-        if (number) value << "=" << eps;
-        TVM_FFI_THROW(ValueError) << name << ": " << arg << value.str() << " must be a positive finite number, such as 1e-6";
+        if (number) value << "=" << eps << " (" << eps_fp32 << " in fp32)";
+        TVM_FFI_THROW(ValueError) << name << ": " << arg << value.str() << " must be positive and finite in fp32, such as 1e-6";
       }
       forwarded[i].type_index = kTVMFFIFloat;
       forwarded[i].v_float64 = eps;

@@ -17,7 +17,6 @@
 // argument errors are std::invalid_argument (Python ValueError), dtype errors included.
 #include <dlfcn.h>
 
-#include <charconv>
 #include <cmath>
 #include <memory>
 #include <mutex>
@@ -74,16 +73,6 @@ std::shared_ptr<const Variant> find_variant(const std::string& name) {
   }
   throw std::invalid_argument("variant '" + name + "' has no CUDA kernel registered with tvm_rmsquant's C++ ops; " +
                               "tvm_rmsquant.select(...) or tvm_rmsquant.ops.use_bundle(bundle) registers a bundle's variants");
-}
-
-// Python's repr of a float, for messages that match the Python path's ("eps=0.0").
-std::string float_repr(double value) {
-  if (std::isnan(value)) return "nan";
-  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
-  char text[64];
-  auto end = std::to_chars(text, text + sizeof(text), value).ptr;
-  std::string repr(text, end);
-  return repr.find_first_of(".e") == std::string::npos ? repr + ".0" : repr;
 }
 
 // Python's repr of a tuple of ints, as the Python path prints shapes and strides.
@@ -154,6 +143,16 @@ struct Argument {
     }
   }
 };
+
+// An in-place target whose rows share memory (an expanded tensor) would take one write in
+// several rows, and torch refuses the copy back only after the launch: refuse it first.
+void refuse_overlapping_rows(const Tensor& tensor, const char* name) {
+  if (tensor.dim() == 2 && tensor.size(0) > 1 && tensor.stride(0) < tensor.size(1)) {
+    throw std::invalid_argument(std::string(name) + " has shape " + tuple_repr(tensor.sizes()) + " and strides " +
+                                tuple_repr(tensor.strides()) + ": its rows overlap (an expanded tensor?), so it cannot be " +
+                                "updated in place; pass " + name + ".clone()");
+  }
+}
 
 // torch's current CUDA stream, through the C shim of libtorch_cuda (already loaded by
 // any process that holds a CUDA tensor; looked up, not linked, so one library serves
@@ -257,9 +256,6 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> launch(const std::string& name
   if (variant.scale_ub != scale_ub.has_value()) {
     throw std::invalid_argument("variant " + name + (variant.scale_ub ? " needs" : " takes no") + " scale_ub");
   }
-  if (!(eps > 0.0) || !std::isfinite(eps)) {
-    throw std::invalid_argument("eps=" + float_repr(eps) + " must be a positive finite number, such as 1e-6");
-  }
   const Argument x(x_in, "x");
   if (x.view.ndim != 2) {
     throw std::invalid_argument("x must be 2-D [M, K] here, got shape " + tuple_repr(x_in.sizes()) + "; the Python API flattens [..., K]");
@@ -280,6 +276,7 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> launch(const std::string& name
   // [residual_out]. The residual is read, then written, by the same thread, so in place
   // works; strided residual rows go through their compact copy, written back after.
   std::optional<Argument> source, cap;
+  if (residual.has_value() && !new_residual) refuse_overlapping_rows(*residual, "residual");
   if (residual.has_value()) source.emplace(*residual, "residual");
   if (scale_ub.has_value()) cap.emplace(*scale_ub, "scale_ub");
   int32_t count = 0;

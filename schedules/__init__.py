@@ -6,7 +6,7 @@ TVM compiler; applying a rule does.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 from tvm_rmsquant.spec import VariantSpec
 
@@ -36,9 +36,27 @@ def default_schedule(spec: VariantSpec) -> Tuple[str, Knobs]:
     raise ValueError(f"no schedule rule applies to {spec.name}: {reasons}")
 
 
+def check_overrides(overrides: Knobs, specs: Iterable[VariantSpec]) -> Optional[str]:
+    """Why ``overrides`` (``build --knobs``) name a knob, or a value of it, that no rule's space
+    has for any of ``specs``; None if each is valid somewhere. ``overriding`` applies a knob only
+    where it is valid, so without this a misspelt name or vector=0 would be dropped without a word."""
+    space: Dict[str, set] = {}
+    for spec in specs:
+        for rule in RULES:
+            for name, values in rule.space(spec).items():
+                space.setdefault(name, set()).update(values)
+    for name, value in sorted(overrides.items()):
+        if name not in space:
+            return f"{name} is no schedule rule's knob; the knobs are {sorted(space)}"
+        if value not in space[name]:
+            return f"{name}={value} is no schedule rule's value; {name} takes {sorted(space[name])}"
+    return None
+
+
 def overriding(overrides: Knobs):
     """A ``choose`` for the build: the default schedule with ``overrides`` applied where the
-    rule has those knobs and accepts the result (else the default stands)."""
+    rule has those knobs and accepts the result (else the default stands); ``check_overrides``
+    refuses names and values that are valid nowhere."""
 
     def choose(spec: VariantSpec) -> Tuple[str, Knobs]:
         name, knobs = default_schedule(spec)

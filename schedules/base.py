@@ -1,6 +1,7 @@
 """The schedule-rule interface, after TVM's dlight rules.
 
-A rule looks at a spec and says whether it applies (``check``), what it can tune
+A rule looks at a spec and says whether it applies (``check``: the space's names and
+values, then the rule's own ``refuses``), what it can tune
 (``space``), what it would pick by hand (``default``), and turns the tensor expression's
 PrimFunc into an ``s_tir.Schedule`` for given knobs (``apply``). Knobs are a plain
 ``{name: int}`` dict, so they serialize into manifests and tuning records as they are.
@@ -36,7 +37,24 @@ class ScheduleRule:
         raise NotImplementedError
 
     def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
-        """None when the rule can schedule ``spec`` with ``knobs``; otherwise why not."""
+        """None when the rule can schedule ``spec`` with ``knobs``; otherwise why not.
+
+        The one judge of knobs, wherever they come from (``--knobs``, a tuning record, a
+        search): every name must be a knob of the space and every value one of its values
+        (the rules' arithmetic assumes so: vector=0 would divide by zero, vector=-8 pass as
+        -16 lanes), then ``refuses`` judges the combination. Missing knobs are ``validate``'s.
+        """
+        space = self.space(spec)
+        unknown = sorted(set(knobs) - set(space))
+        if unknown:
+            return f"no knob(s) named {unknown}; the knobs are {sorted(space)}"
+        for name, value in sorted(knobs.items()):
+            if type(value) is not int or value not in space[name]:
+                return f"{name}={value!r} is not one of its values {space[name]}"
+        return self.refuses(spec, knobs)
+
+    def refuses(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+        """Why the rule cannot schedule ``spec`` with ``knobs`` (each a value of its space), or None."""
         raise NotImplementedError
 
     def default(self, spec: VariantSpec) -> Optional[Knobs]:
@@ -78,11 +96,7 @@ class ScheduleRule:
 
     def validate(self, spec: VariantSpec, knobs: Knobs) -> Knobs:
         """``knobs`` completed and checked; raises ValueError naming what is wrong."""
-        space = self.space(spec)
-        unknown = sorted(set(knobs) - set(space))
-        if unknown:
-            raise ValueError(f"rule {self.name!r} has no knob(s) {unknown}; its knobs are {sorted(space)}")
-        missing = sorted(set(space) - set(knobs))
+        missing = sorted(set(self.space(spec)) - set(knobs))
         if missing:
             raise ValueError(f"rule {self.name!r} needs knob(s) {missing} for {spec.name}")
         reason = self.check(spec, knobs)

@@ -5,9 +5,11 @@ offline build. A record is used only where its target matches the build: the com
 capability of the bundle's machine code, and the apache-tvm, apache-tvm-ffi and CUDA
 versions that generate and compile the kernel (and the GPU, when the build names one),
 and the kernel itself: the record's kernel digest must equal the one this code makes for
-its (spec, rule, knobs), as TVM's meta_schedule matches a record to its workload. Anything
-else is rejected with the reason, never silently used. The driver is recorded but not
-matched: it does not change the generated code.
+its (spec, rule, knobs), as TVM's meta_schedule matches a record to its workload; its M
+bucket must be one of ``ROW_BUCKETS``, and no other record may match the same (spec, bucket).
+Anything else is rejected with the reason, never silently used; a record whose fields have
+the wrong types fails the load (``DatabaseError``). The driver is recorded but not matched:
+it does not change the generated code.
 """
 
 from __future__ import annotations
@@ -85,19 +87,43 @@ class Record:
     def key(self) -> Tuple[str, Optional[int]]:
         return self.spec, self.max_rows
 
+    def describe(self) -> str:
+        return f"{self.spec} M<={'any' if self.max_rows is None else self.max_rows} on {self.target.get('gpu')}"
+
+    def malformed(self) -> Optional[str]:
+        """Which field has a type no record can have (as read from JSON), and what it needs; or None.
+        Values of the right type are judged where they are used: knobs by the rule's ``check``."""
+        try:
+            spec_parses = isinstance(self.spec, str) and VariantSpec.parse(self.spec) is not None
+        except ValueError:
+            spec_parses = False
+        needs = {
+            "spec": (spec_parses, "a variant name such as bf16_k4096_g128_col_fp32"),
+            "max_rows": (self.max_rows is None or type(self.max_rows) is int, "an integer or null"),
+            "rule": (isinstance(self.rule, str), "a rule name"),
+            "knobs": (isinstance(self.knobs, dict) and all(type(v) is int for v in self.knobs.values()), "an object of integers"),
+            "microseconds": (type(self.microseconds) in (int, float), "a number"),
+            "default_microseconds": (type(self.default_microseconds) in (int, float), "a number"),
+            "target": (isinstance(self.target, dict) and all(isinstance(v, str) for v in self.target.values()), "an object of strings"),
+            "kernel_digest": (isinstance(self.kernel_digest, str), "a string"),
+        }
+        wrong = [f"{name}={getattr(self, name)!r} (needs {what})" for name, (ok, what) in needs.items() if not ok]
+        return ", ".join(wrong) or None
+
     def mismatch(self, build_target: Dict[str, str], kernel_digest: Optional[Callable[[VariantSpec, str, Knobs], str]] = None) -> Optional[str]:
         """Why this record cannot be used by a build for ``build_target``, or None.
         ``kernel_digest(spec, rule, knobs)`` is the build's digest of the kernel the record names."""
+        buckets = [max_rows for max_rows, _ in ROW_BUCKETS]
+        if self.max_rows not in buckets:
+            return f"max_rows={self.max_rows!r} is not an M bucket of this code (ROW_BUCKETS: {buckets}); re-tune it"
         for field in MATCHED_FIELDS + (("gpu",) if build_target.get("gpu") else ()):
             if str(self.target.get(field)) != str(build_target[field]):
                 return f"measured with {field}={self.target.get(field)!r}, the build has {build_target[field]!r}"
         spec = VariantSpec.parse(self.spec)
         try:
-            reason = rule_by_name(self.rule).check(spec, self.knobs)
-        except (ValueError, KeyError) as error:
-            reason = str(error)
-        if reason is not None:
-            return f"rule {self.rule!r} refuses knobs {self.knobs}: {reason}"
+            rule_by_name(self.rule).validate(spec, self.knobs)
+        except ValueError as error:
+            return str(error)
         if kernel_digest is not None:
             current = kernel_digest(spec, self.rule, self.knobs)
             if current != self.kernel_digest:
@@ -118,6 +144,10 @@ class TuningDatabase:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise DatabaseError(f"tuning database {path} does not exist; pass an existing file or --no-tuning") from None
+        except IsADirectoryError:
+            raise DatabaseError(f"tuning database {path} is a folder; pass a file such as {path / DEFAULT_DATABASE.name}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise DatabaseError(f"tuning database {path} cannot be read: {error}") from None
         except json.JSONDecodeError as error:
             raise DatabaseError(f"tuning database {path} is not valid JSON: {error}") from None
         if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
@@ -126,6 +156,10 @@ class TuningDatabase:
             records = [Record(**item) for item in raw["records"]]
         except (KeyError, TypeError) as error:
             raise DatabaseError(f"tuning database {path}: a record is malformed ({error}); fields are {[f.name for f in dataclasses.fields(Record)]}") from None
+        for index, record in enumerate(records):
+            problem = record.malformed()
+            if problem is not None:
+                raise DatabaseError(f"tuning database {path}: record {index} ({record.spec!r}, max_rows={record.max_rows!r}) has {problem}")
         return cls(records, path)
 
     def save(self, path: Path) -> None:
@@ -134,8 +168,11 @@ class TuningDatabase:
         ordered = sorted(self.records, key=lambda r: (r.spec, math.inf if r.max_rows is None else r.max_rows))
         body = json.dumps({"schema_version": SCHEMA_VERSION, "records": [dataclasses.asdict(r) for r in ordered]}, indent=1, sort_keys=True)
         staged = path.with_name(f".{path.name}.tmp")
-        staged.write_text(body + "\n")
-        staged.replace(path)
+        try:
+            staged.write_text(body + "\n")
+            staged.replace(path)
+        except OSError as error:
+            raise DatabaseError(f"tuning database {path} cannot be written: {error}") from None
 
     def merged(self, new: Sequence[Record]) -> "TuningDatabase":
         """This database with ``new`` replacing records of the same (spec, bucket, GPU)."""
@@ -146,16 +183,32 @@ class TuningDatabase:
     def for_build(self, build_target: Dict[str, str], spec_names: Optional[Sequence[str]] = None,
                   kernel_digest: Optional[Callable[[VariantSpec, str, Knobs], str]] = None) -> Tuple["TunedSchedules", List[str]]:
         """The records this build may use, and one line per rejected record saying why
-        (only records of ``spec_names``, where given: the specs being built)."""
-        usable, rejected = {}, []
+        (only records of ``spec_names``, where given: the specs being built).
+
+        A (spec, M bucket) that more than one record matches gets none of them, each rejected
+        naming the GPUs: which measurement applies is the user's to say (``--tuning-gpu``), since
+        a schedule fastest on one GPU is no evidence on another, and picking by file order would
+        change the build silently whenever a record is added."""
+        matching: Dict[Tuple[str, Optional[int]], List[Record]] = {}
+        rejected = []
         for record in self.records:
             if spec_names is not None and record.spec not in spec_names:
                 continue
             reason = record.mismatch(build_target, kernel_digest)
             if reason is None:
-                usable[record.key()] = record
+                matching.setdefault(record.key(), []).append(record)
             else:
-                rejected.append(f"{record.spec} M<={record.max_rows or 'any'} on {record.target.get('gpu')}: {reason}")
+                rejected.append(f"{record.describe()}: {reason}")
+        usable = {}
+        for key, records in matching.items():
+            if len(records) == 1:
+                usable[key] = records[0]
+                continue
+            gpus = [str(record.target.get("gpu")) for record in records]
+            fix = ("pass --tuning-gpu NAME" if len(set(gpus)) > 1 and not build_target.get("gpu")
+                   else "keep one record per (spec, M bucket, GPU), as `tune record` does")
+            rejected += [f"{record.describe()}: {len(records)} records for this spec and M bucket match this build "
+                         f"({', '.join(gpus)}), so none is used: {fix}" for record in records]
         return TunedSchedules(usable), rejected
 
 

@@ -24,7 +24,7 @@ class DynamicRows(ScheduleRule):
     def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
         return {"vector": [2, 4, 8], "rows_per_block": [1, 2, 4, 8, 16], "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
 
-    def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+    def refuses(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
         vector, rows = knobs["vector"], knobs["rows_per_block"]
         if vector * spec.itemsize > 16:
             return f"vector={vector} is wider than 16 bytes of {spec.dtype}"

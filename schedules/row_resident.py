@@ -35,7 +35,7 @@ class RowResident(ScheduleRule):
     def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
         return {"vector": [2, 4, 8], "groups_per_thread": [1, 2, 4, 8, 16], "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
 
-    def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+    def refuses(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
         if spec.is_dynamic:
             return "needs a static hidden size"
         vector, per_thread = knobs["vector"], knobs["groups_per_thread"]

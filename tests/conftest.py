@@ -1,7 +1,8 @@
-"""Shared fixtures: the GPU marker's skip, and the bundle the GPU tests run."""
+"""Shared fixtures: the GPU marker's skip, the build toolchain's check, and the bundle the GPU tests run."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -20,6 +21,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: Set to 1 where the tests run without the build toolchain on purpose: the GPU machine, which
+#: tests a bundle built elsewhere (scripts/device_run.sh). Anywhere else a missing TVM or nvcc
+#: fails the tests that need them, so that CI cannot turn green by skipping the build.
+NO_TOOLCHAIN_ENV = "TVM_RMSQUANT_NO_TOOLCHAIN"
+
+
+def require_toolchain(nvcc: bool = True) -> None:
+    """Fail (or, with $TVM_RMSQUANT_NO_TOOLCHAIN=1, skip) unless TVM and, with ``nvcc``, nvcc are installed."""
+    missing = []
+    if importlib.util.find_spec("tvm") is None:
+        missing.append("the TVM compiler (the [build] extra: pip install -e '.[build]')")
+    if nvcc:
+        from tvm_rmsquant.codegen.nvcc import NvccError, find_nvcc
+
+        try:
+            find_nvcc()
+        except NvccError as error:
+            missing.append(str(error))
+    if not missing:
+        return
+    if os.environ.get(NO_TOOLCHAIN_ENV) == "1":
+        pytest.skip(f"{NO_TOOLCHAIN_ENV}=1 and the build toolchain is missing: {'; '.join(missing)}", allow_module_level=True)
+    pytest.fail(f"the build toolchain the README requires is missing: {'; '.join(missing)} (set {NO_TOOLCHAIN_ENV}=1 only "
+                "on a machine that tests a carried bundle)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

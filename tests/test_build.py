@@ -12,18 +12,15 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tvm", reason="the build step needs the TVM compiler ([build] extra)")
+from conftest import require_toolchain  # noqa: E402
 
-from tvm_rmsquant.bundle_format import MANIFEST_FILE, read_current  # noqa: E402
+require_toolchain()
+
+from tvm_rmsquant.bundle_format import MANIFEST_FILE, manifest_digest, read_current, sha256_file  # noqa: E402
 from tvm_rmsquant.codegen import bundle as builder  # noqa: E402
-from tvm_rmsquant.codegen.nvcc import NvccError, find_nvcc, parse_ptxas  # noqa: E402
+from tvm_rmsquant.codegen.nvcc import NvccError, cuda_major, find_nvcc, parse_ptxas  # noqa: E402
 from tvm_rmsquant.loader import Bundle, BundleError  # noqa: E402
 from tvm_rmsquant.spec import VariantSpec  # noqa: E402
-
-try:
-    find_nvcc()
-except NvccError:
-    pytest.skip("nvcc is not installed", allow_module_level=True)
 
 SPECS = [
     VariantSpec("bf16", 2048, 128, True, "col", "ue8m0_packed"),
@@ -67,12 +64,23 @@ def _needed(library: Path) -> set:
     return {line.split("[")[1].split("]")[0] for line in dynamic.splitlines() if "(NEEDED)" in line}
 
 
+def _cudart(bundle: Bundle) -> str:
+    """The libcudart soname of the CUDA that built ``bundle`` (libcudart.so.13 with CUDA 13, .12 with 12)."""
+    return f"libcudart.so.{cuda_major(bundle.manifest['toolchain']['nvcc'])}"
+
+
+def test_cuda_major_is_read_from_nvccs_version_line():
+    assert cuda_major("Build cuda_13.0.r13.0/compiler.36424714_0") == 13
+    assert cuda_major("Build cuda_12.4.r12.4/compiler.34097967_0") == 12
+    assert cuda_major("Cuda compilation tools, release 12.8, V12.8.93") == 12
+
+
 def test_libraries_need_only_tvm_ffi_and_cudart(built):
     root, _ = built
     bundle = Bundle(root / "bundle")
     for library in bundle.manifest["libraries"]:
         names = _needed(bundle.path / library)
-        assert names - {"libtvm_ffi.so", "libcudart.so.13"} - SYSTEM_LIBRARIES == set(), names
+        assert names - {"libtvm_ffi.so", _cudart(bundle)} - SYSTEM_LIBRARIES == set(), names
 
 
 def test_the_torch_ops_library_uses_only_torchs_stable_c_abi(built):
@@ -85,7 +93,7 @@ def test_the_torch_ops_library_uses_only_torchs_stable_c_abi(built):
     assert (entry["library"], entry["source"], entry["torch_stable_target"]) == ("torch_ops.so", "torch_ops.cpp", "2.10")
     assert entry["built_with_torch"] == torch.__version__
     library = bundle.path / entry["library"]
-    assert _needed(library) - {"libtvm_ffi.so", "libtorch_cpu.so", "libcudart.so.13"} - SYSTEM_LIBRARIES == set()
+    assert _needed(library) - {"libtvm_ffi.so", "libtorch_cpu.so", _cudart(bundle)} - SYSTEM_LIBRARIES == set()
     symbols = subprocess.run(["nm", "-D", "--undefined-only", str(library)], capture_output=True, text=True, check=True).stdout.split()
     assert not [symbol for symbol in symbols if symbol.startswith(("_ZN3c10", "_ZN2at", "_ZN5torch", "_ZNK3c10", "_ZNK2at"))]
     assert "aoti_torch_empty_strided" in symbols and "torch_library_impl" in symbols
@@ -125,8 +133,11 @@ def test_entry_points_check_their_arguments_on_the_host(built):
     q, scales = torch.empty(3, 2048, dtype=torch.float8_e4m3fn), torch.empty(3, 16)
     refusals = [
         (TypeError, r"takes 5 arguments, got 4: \(x, weight, eps, q, scales\)", (x, weight, 1e-6, q)),
-        (ValueError, "eps=0 must be a positive finite number", (x, weight, 0.0, q, scales)),
-        (ValueError, "eps=nan must be a positive finite number", (x, weight, float("nan"), q, scales)),
+        (ValueError, r"eps=0 \(0 in fp32\) must be positive and finite in fp32", (x, weight, 0.0, q, scales)),
+        (ValueError, r"eps=nan \(nan in fp32\) must be positive and finite in fp32", (x, weight, float("nan"), q, scales)),
+        # eps is checked in fp32, the precision the kernel adds it in.
+        (ValueError, r"eps=1e\+39 \(inf in fp32\) must be positive and finite in fp32", (x, weight, 1e39, q, scales)),
+        (ValueError, r"eps=1e-50 \(0 in fp32\) must be positive and finite in fp32", (x, weight, 1e-50, q, scales)),
         (ValueError, r"x must be 2-D, got 3-D of shape \[3, 16, 128\]", (x.view(3, 16, 128), weight, 1e-6, q, scales)),
         (TypeError, "x.dtype is float32; this variant takes bfloat16", (x.float(), weight, 1e-6, q, scales)),
         (ValueError, r"x.shape\[-1\]=100 is not a multiple of the group size 128", (torch.zeros(3, 100, dtype=torch.bfloat16), weight, 1e-6, q, scales)),
@@ -189,6 +200,59 @@ def test_corrupted_libraries_and_manifests_are_refused(built, tmp_path):
         Bundle(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("stage", ["lowered", "compiled"])
+def test_a_truncated_cache_entry_is_made_again_not_published(built, tmp_path, stage):
+    """A truncated library in the compile cache was hashed into a manifest that verifies and
+    SIGBUSed at first use; a truncated lowered source was compiled as it was. Each is made again."""
+    root, _ = built
+    cache = tmp_path / "cache"
+    shutil.copytree(root / "cache", cache)
+    bundle = Bundle(root / "bundle")
+    name, entry = next(iter(sorted(bundle.manifest["libraries"].items())))
+    suffix, sha = (".cu", entry["source_sha256"]) if stage == "lowered" else (".so", entry["sha256"])
+    cached = next(path for path in (cache / stage).glob(f"*{suffix}") if sha256_file(path) == sha)
+    os.truncate(cached, cached.stat().st_size // 2)
+    report = builder.build(SPECS, tmp_path / "bundle", jobs=1, cache_dir=cache)
+    assert (report.lowered, report.compiled) == ((1, 0) if stage == "lowered" else (0, 1))
+    rebuilt = Bundle(tmp_path / "bundle")
+    # The entry was made again: the same source (TVM's output is deterministic), the library the bundle holds (nvcc's need not be).
+    assert sha256_file(cached) == (sha if stage == "lowered" else rebuilt.manifest["libraries"][name]["sha256"])
+    assert (rebuilt.path / name).stat().st_size == (bundle.path / name).stat().st_size
+
+
+def test_a_library_truncated_after_the_bundle_opened_is_refused_before_it_loads(built, tmp_path):
+    """Libraries load lazily; loading one truncated since the bundle was opened killed the process (SIGBUS)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(built[0] / "bundle", copy)
+    script = (
+        "import os, sys; from tvm_rmsquant.loader import Bundle, BundleError;"
+        "bundle = Bundle(sys.argv[1]); name = bundle.names()[0]; library = bundle.path / bundle.entry(name)['library'];"
+        "os.truncate(library, library.stat().st_size // 2)\n"
+        "try: bundle.function(name)\nexcept BundleError as error: print('refused:', error)"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.startswith("refused:") and "lib_" in result.stdout and "the file is corrupted" in result.stdout, result.stdout
+
+
+def test_a_rebuild_over_a_corrupted_live_bundle_repairs_it(built, tmp_path):
+    """It said 'up to date … nothing rebuilt' and left the bundle refused."""
+    root, _ = built
+    live = tmp_path / "live"
+    shutil.copytree(root / "bundle", live)
+    before = read_current(live)
+    bundle = Bundle(live)
+    with open(bundle.path / next(iter(bundle.manifest["libraries"])), "r+b") as handle:
+        handle.seek(100)
+        handle.write(b"\x00corrupt")
+    with pytest.raises(BundleError, match="corrupted"):
+        Bundle(live)
+    report = builder.build(SPECS, live, jobs=1, cache_dir=root / "cache")
+    assert report.published and (report.lowered, report.compiled) == (0, 0)
+    assert read_current(live) == before and Bundle(live).names() == sorted(spec.name for spec in SPECS)
+    assert not builder.build(SPECS, live, jobs=1, cache_dir=root / "cache").published
+
+
 def test_device_capability_is_checked(built):
     bundle = Bundle(built[0] / "bundle")
     bundle.check_device((9, 0))
@@ -231,15 +295,13 @@ def test_two_builds_racing_on_one_directory_both_finish_with_a_valid_bundle(buil
 
 def _copy_with_manifest(built, tmp_path, change):
     """A copy of the bundle whose manifest ``change`` edits, re-signed so that only the edit is wrong."""
-    import hashlib
-
     copy = tmp_path / "signed"
     shutil.copytree(built[0] / "bundle", copy)
     old = Bundle(copy).path
     manifest = json.loads((old / MANIFEST_FILE).read_text())
     change(manifest)
     raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    digest = hashlib.sha256(raw).hexdigest()[:16]
+    digest = manifest_digest(raw)
     new = old.parent / digest
     old.rename(new)
     (new / MANIFEST_FILE).write_bytes(raw)

@@ -11,8 +11,11 @@ import math
 
 import pytest
 import torch
+from conftest import require_toolchain
 
-tvm = pytest.importorskip("tvm", reason="CPU kernels need the TVM compiler ([build] extra)")
+require_toolchain(nvcc=False)  # the CPU kernels are TVM's llvm build
+
+import tvm  # noqa: E402
 
 from tvm_rmsquant import cpu, expr, reference  # noqa: E402
 from tvm_rmsquant.checks import compare, random_inputs  # noqa: E402

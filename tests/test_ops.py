@@ -43,13 +43,17 @@ def test_fused_add_updates_the_residual_in_place():
 
 
 def test_vllm_out_variant_writes_its_outputs():
+    """vLLM's drop-in: out, scales and the residual (updated in place) all against the reference."""
     x, w, r = _inputs(rows=5)
-    out = torch.empty(5, K, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(K // 128, 8)[:, :5].t()
+    residual_before = r.clone()
+    out = torch.full((5, K), float("nan")).to(torch.float8_e4m3fn)
+    scales = torch.empty(K // 128, 8)[:, :5].t().fill_(float("nan"))
     ops.rms_norm_per_block_quant(out, x, w, scales, 1e-6, None, r, 128, True)
     spec = VariantSpec("bf16", K, 128, True, "col")
-    _, want_scales, _ = reference.rms_norm_group_quant(x, w, 1e-6, spec, (r.float() - x.float()).bfloat16())
-    assert torch.isfinite(scales).all() and scales.stride() == (1, 8)
+    want_q, want_scales, want_residual = reference.rms_norm_group_quant(x, w, 1e-6, spec, residual_before)
+    assert scales.stride() == (1, 8)
+    assert torch.equal(scales, want_scales) and torch.equal(out.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(r, want_residual) and not torch.equal(r, residual_before)
     with pytest.raises(ValueError, match="scales must be"):
         ops.rms_norm_per_block_quant(out, x, w, torch.empty(5, 2), 1e-6, None, None, 128, True)
 
@@ -93,9 +97,10 @@ def test_select_explains_its_choice_and_refuses_1d_weights():
         select(K, torch.bfloat16, consumer="nvfp4", device="cpu")
 
 
-def test_cuda_select_without_a_bundle_falls_back_to_the_reference_with_reasons(tmp_path, caplog):
+def test_cuda_select_without_a_bundle_falls_back_to_the_reference_with_reasons(tmp_path, caplog, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the no-CUDA refusal, to the bundle's
     kernel = select(K, torch.bfloat16, device="cuda", bundle=tmp_path)
     assert kernel.variant is None and kernel.why[-1].name == "torch_reference" and "no bundle" in kernel.why[0].reason
     assert "using the torch reference" in caplog.text

@@ -83,3 +83,18 @@ def test_a_ue8m0_group_one_power_of_two_off_is_judged_by_dequantized_values():
     assert compare(spec, (q, scales, None), want, 256).passed
     q[0, 5] = torch.tensor(100.0).to(torch.float8_e4m3fn)
     assert not compare(spec, (q, scales, None), want, 256).passed
+
+
+def test_a_ue8m0_scale_that_is_not_a_power_of_two_fails_the_check():
+    """The README's "bit-exact" UE8M0 rounding is enforced on the kernels' scales: a scale
+    within one power of two of the reference but with mantissa bits fails."""
+    from tvm_rmsquant.checks import compare
+
+    spec = VariantSpec("bf16", 256, 128, layout="col", format="ue8m0")
+    x, w = torch.randn(4, 256).bfloat16(), torch.ones(256).bfloat16()
+    want = reference.rms_norm_group_quant(x, w, 1e-6, spec)
+    scales = want[1].clone()
+    scales[1, 1] *= 1.25
+    agreement = compare(spec, (want[0], scales, None), want, 256)
+    assert agreement.scales_max_units < 1 and agreement.scales_not_pow2 == 1 and not agreement.passed
+    assert "NOT powers of two" in agreement.describe()

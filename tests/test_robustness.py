@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from conftest import require_toolchain
 from hypothesis import strategies as st
 
 import tvm_rmsquant
@@ -26,7 +27,8 @@ from tvm_rmsquant.spec import FP8_MAX, MIN_SCALE, VariantSpec
 K = 4096
 PLAIN = VariantSpec("bf16", K, 128, layout="col")
 RESIDUAL = VariantSpec("bf16", K, 128, True, "col", "ue8m0")
-CAPPED = VariantSpec("bf16", K, 128, False, "row", "fp32", scale_ub=True)
+#: The default preset's scale_ub kernels are dynamic-K: the GPU tests run what ships.
+CAPPED = VariantSpec("bf16", None, 128, False, "row", "fp32", scale_ub=True)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -72,9 +74,13 @@ def _refusals(device):
         ("residual with a transposed last dim", ValueError, r"residual must have a contiguous last dimension", RESIDUAL, x, w, 1e-6, torch.randn(K, 8, **on).bfloat16().t()),
         ("residual to the plain op", ValueError, r"has no residual", PLAIN, x, w, 1e-6, r),
         ("no residual to the fused op", ValueError, r"updates a residual", RESIDUAL, x, w, 1e-6, None),
-        ("eps = 0", ValueError, r"eps=0.0 must be a positive finite number", PLAIN, x, w, 0.0, None),
-        ("eps < 0", ValueError, r"eps=-1e-06 must be a positive finite number", PLAIN, x, w, -1e-6, None),
-        ("eps NaN", ValueError, r"eps=nan must be a positive finite number", PLAIN, x, w, math.nan, None),
+        ("eps = 0", ValueError, r"eps=0(\.0)? .*must be positive and finite in fp32", PLAIN, x, w, 0.0, None),
+        ("eps < 0", ValueError, r"eps=-1e-06 .*must be positive and finite in fp32", PLAIN, x, w, -1e-6, None),
+        ("eps NaN", ValueError, r"eps=nan .*must be positive and finite in fp32", PLAIN, x, w, math.nan, None),
+        # Checked in fp32, the precision the kernels add it in: inf and 0 there.
+        ("eps overflowing fp32", ValueError, r"eps=1e\+39 .*(inf|in fp32)", PLAIN, x, w, 1e39, None),
+        ("eps underflowing fp32", ValueError, r"eps=1e-50 .*(0|in fp32)", PLAIN, x, w, 1e-50, None),
+        ("expanded residual", ValueError, r"residual .*(overlap|contiguous)", RESIDUAL, x, w, 1e-6, r[:1].expand(8, K)),
     ]
 
 
@@ -129,7 +135,7 @@ def test_the_api_checks_scale_ub_eps_and_the_weight_up_front():
                         (torch.tensor([1.0, 2.0]), "one-element float32")):
         with pytest.raises(ValueError, match=message):
             tvm_rmsquant.rms_norm_group_quant(x, w, scale_ub=ub)
-    with pytest.raises(ValueError, match="eps=0 must be a positive finite number"):
+    with pytest.raises(ValueError, match="eps=0 must be positive and finite in fp32"):
         tvm_rmsquant.rms_norm_group_quant(x, w, eps=0)
     with pytest.raises(ValueError, match=r"weight must be \[4096\]"):
         tvm_rmsquant.rms_norm_group_quant(x, w[:100])
@@ -140,8 +146,6 @@ def test_the_api_checks_scale_ub_eps_and_the_weight_up_front():
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_a_cap_that_is_not_positive_gives_nan_scales_never_finite_garbage(device):
     """The op cannot read a GPU scalar without a sync, so scale_ub <= 0 is defined: NaN."""
-    if device == "cuda" and CAPPED.name not in ops.open_bundle():
-        pytest.skip(f"the bundle has no scale_ub variant ({CAPPED.name}); the 'all' preset builds them")
     inputs = _inputs(CAPPED, 4, device)
     for cap in (0.0, -1.0, math.nan):
         q, scales = _run(CAPPED, inputs["x"], inputs["weight"], scale_ub=torch.tensor([cap], device=device))
@@ -283,7 +287,7 @@ _LAYOUT_FORMATS = [("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "
     seed=st.integers(0, 2**16),
 )
 def test_random_specs_shapes_and_values_match_the_reference(dtype, group, residual, layout_format, rows, words, magnitude, outliers, seed):
-    pytest.importorskip("tvm", reason="the CPU kernels are TVM's llvm build")
+    require_toolchain(nvcc=False)  # the CPU kernels are TVM's llvm build
     layout, fmt = layout_format
     hidden = words * 4 * group  # whole packed words, so every format's dynamic-K kernel applies
     spec = VariantSpec(dtype, None, group, residual, layout, fmt)
@@ -320,3 +324,157 @@ def test_more_than_2_to_the_31_elements_are_indexed_correctly(gpu_bundle):
     got = (q[checked].cpu(), scales[checked].cpu().contiguous(), r[checked].cpu())
     agreement = compare(VariantSpec("bf16", 7168, 128, True, "row", "fp32"), got, (want[0], want[1].contiguous(), want[2]), 7168)
     assert agreement.passed, agreement.describe()
+
+
+# -- hardening: each case below once misbehaved (silently or with a traceback) --------------------
+
+
+def test_a_tensor_on_another_device_than_x_is_refused_even_on_meta():
+    """A meta tensor beside a CPU x dispatches to the fake kernel; it must refuse, not return
+    outputs that nothing wrote (a weight that failed to load after meta-device init)."""
+    inputs = _inputs(RESIDUAL, 4, "cpu")
+    x, w, r = inputs["x"], inputs["weight"], inputs["residual"]
+    meta = dict(device="meta")
+    cases = [
+        ("weight", lambda: ops.rms_norm_group_quant(x, torch.empty_like(w, **meta), 1e-6, PLAIN.name)),
+        ("residual", lambda: ops.fused_add_rms_norm_group_quant(x, torch.empty_like(r, **meta), w, 1e-6, RESIDUAL.name)),
+        ("residual", lambda: ops.add_rms_norm_group_quant(x, torch.empty_like(r, **meta), w, 1e-6, RESIDUAL.name)),
+        ("weight", lambda: tvm_rmsquant.rms_norm_group_quant(x, torch.empty_like(w, **meta), scale_layout="col")),
+        ("scale_ub", lambda: tvm_rmsquant.rms_norm_group_quant(x, w, scale_ub=torch.ones(1, **meta))),
+        ("scales", lambda: ops.rms_norm_per_block_quant(torch.empty(4, K, dtype=torch.float8_e4m3fn), x, w,
+                                                        reference.empty_scales(PLAIN, 4, K, "meta"), 1e-6, None, None, 128, True)),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=rf"{name} is on meta but x is on cpu"):
+            call()
+
+
+def test_every_path_checks_eps_in_fp32_and_the_reference_route_checks_like_the_kernels():
+    inputs = _inputs(PLAIN, 3, "cpu")
+    x, w = inputs["x"], inputs["weight"]
+    layer = select(K, torch.bfloat16, scale_layout="col", device="cpu", weight_dtype=torch.float32)
+    assert layer.variant is None  # the torch reference
+    for eps in (1e39, 1e-50, -1.0, math.nan):
+        for call in (lambda: tvm_rmsquant.rms_norm_group_quant(x, w, eps=eps), lambda: layer(x, w.float(), eps)):
+            with pytest.raises(ValueError, match=r"must be positive and finite in fp32"):
+                call()
+    with pytest.raises(TypeError, match=r"eps='1e-6' must be a float"):
+        tvm_rmsquant.rms_norm_group_quant(x, w, eps="1e-6")
+    with pytest.raises(TypeError, match=r"x.dtype=torch.int32"):
+        layer(x.to(torch.int32), w.float(), 1e-6)
+    with pytest.raises(TypeError, match=r"weight.dtype=torch.bfloat16; this layer was selected for a torch.float32"):
+        layer(x, w, 1e-6)
+    with pytest.raises(ValueError, match=r"weight must be \[4096\]"):
+        layer(x, w.float()[:128], 1e-6)
+    q, scales = layer(x, w.float(), 1e-6)  # and the valid call still runs
+    assert torch.isfinite(scales).all() and q.shape == x.shape
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_outputs_carry_no_gradient_and_a_residual_that_requires_grad_is_refused(device):
+    """The ops are inference-only: outputs are non-differentiable, and a residual that requires
+    grad is not updated in place behind autograd's back (outside no_grad/inference_mode)."""
+    inputs = _inputs(RESIDUAL, 4, device)
+    x = inputs["x"].clone().requires_grad_()
+    q, scales = ops.rms_norm_group_quant(x, inputs["weight"], 1e-6, PLAIN.name)
+    assert not scales.requires_grad and not q.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        scales.sum().backward()
+    residual = inputs["residual"].clone().requires_grad_()
+    before = residual.detach().clone()
+    layer = select(K, torch.bfloat16, residual=True, scale_layout="col", scale_format="ue8m0", device=device)
+    for call in (lambda: ops.fused_add_rms_norm_group_quant(inputs["x"], residual, inputs["weight"], 1e-6, RESIDUAL.name),
+                 lambda: layer(inputs["x"], inputs["weight"], 1e-6, residual=residual),
+                 lambda: tvm_rmsquant.rms_norm_group_quant(inputs["x"], inputs["weight"], residual=residual, scale_layout="col", scale_format="ue8m0")):
+        with pytest.raises(ValueError, match="residual requires grad, and tvm_rmsquant's ops are inference-only"):
+            call()
+    assert torch.equal(residual.detach(), before)
+    with torch.no_grad():
+        ops.fused_add_rms_norm_group_quant(inputs["x"], residual, inputs["weight"], 1e-6, RESIDUAL.name)
+    assert not torch.equal(residual.detach(), before)
+
+
+def test_unclear_errors_name_the_argument():
+    inputs = _inputs(RESIDUAL, 4, "cpu")
+    x, w, r = inputs["x"], inputs["weight"], inputs["residual"]
+    with pytest.raises(ValueError, match="x is 0-D"):
+        tvm_rmsquant.rms_norm_group_quant(torch.tensor(1.0, dtype=torch.bfloat16), w)
+    layer = select(K, torch.bfloat16, residual=True, device="cpu")
+    transposed = torch.randn(2, 2, K, dtype=torch.bfloat16).transpose(0, 1)  # cannot be viewed as [4, K] rows
+    with pytest.raises(ValueError, match=r"residual of shape \(2, 2, 4096\) and strides .* cannot be viewed as \(4, 4096\) rows"):
+        layer(x.view(2, 2, K), w, 1e-6, residual=transposed)
+    with pytest.raises(ValueError, match=r"residual has shape \(4, 4096\) and strides \(0, 1\): its rows overlap"):
+        layer(x, w, 1e-6, residual=r[:1].expand(4, K))
+    empty_col = torch.empty(K // 128, 0).t()  # M = 0 scales as .t() makes them: strides (1, 1)
+    ops.rms_norm_per_block_quant(torch.empty(0, K, dtype=torch.float8_e4m3fn), x[:0], w, empty_col, 1e-6, None, None, 128, True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_select_on_a_torch_without_cuda_falls_back_even_with_a_bundle(monkeypatch, caplog):
+    from tvm_rmsquant import dispatch
+
+    opened = []
+    monkeypatch.setattr(dispatch, "open_bundle", lambda bundle=None: opened.append(bundle))  # "a bundle exists"
+    with caplog.at_level(logging.WARNING, logger="tvm_rmsquant"):
+        layer = select(K, torch.bfloat16)  # device="cuda" by default
+    assert layer.variant is None and not opened
+    assert "has no CUDA device" in layer.why[0].reason and "torch reference" in caplog.text
+
+
+def test_the_cpu_path_runs_large_inputs_in_row_blocks(monkeypatch):
+    """M·K >= 2**31 with a residual was killed for memory on CPU: each launch materializes
+    fp32 [M, K] stages. The CPU kernels run blocks of rows; every layout's scales land right."""
+    from tvm_rmsquant import cpu
+
+    monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 3 * 512)
+    for spec in (VariantSpec("bf16", 512, 128, True, "col", "ue8m0_packed"), VariantSpec("fp16", 512, 128, False, "col", "fp32"),
+                 VariantSpec("bf16", 512, 128, True, "row", "fp32")):
+        inputs = random_inputs(spec, 11, 512, seed=3)
+        launches = []
+        inner = ops._reference_function(spec)
+
+        def counted(*args):
+            launches.append(args[0].shape[0])
+            inner(*args)
+
+        residual = None if inputs["residual"] is None else inputs["residual"].clone()
+        q = torch.empty(11, 512, dtype=torch.float8_e4m3fn)
+        scales = reference.empty_scales(spec, 11, 512, "cpu")
+        launch_args = [inputs["x"]] + ([residual] if spec.residual else []) + [inputs["weight"], 1e-6, q, scales] + ([residual] if spec.residual else [])
+        cpu.by_row_chunks(spec, counted)(*launch_args)
+        assert launches == [3, 3, 3, 2]
+        want = reference.rms_norm_group_quant(inputs["x"], inputs["weight"], 1e-6, spec, inputs["residual"])
+        agreement = compare(spec, (q, scales, residual), want, 512)
+        assert agreement.passed and agreement.codes_identical == 1.0 and agreement.scales_exact == 1.0, agreement.describe()
+        # Through the op too (its CPU kernel is wrapped the same way).
+        got = _run(spec, inputs["x"], inputs["weight"], residual=None if inputs["residual"] is None else inputs["residual"].clone())
+        assert compare(spec, (*got, None) if not spec.residual else (*got, want[2]), want, 512).passed
+
+
+def test_fp16_values_near_its_max_do_not_overflow_and_quantize_as_any_row():
+    """fp16's max squared (4.3e9) times K stays far below fp32's max: unlike bf16 (the edge
+    case above), such a row normalizes as any other row does."""
+    spec = VariantSpec("fp16", K, 128, layout="col")
+    inputs = _inputs(spec, 2, "cpu")
+    x = inputs["x"].clone()
+    x[0] = torch.finfo(torch.float16).max * 0.99
+    q, scales = _run(spec, x, inputs["weight"])
+    per_group = reference.scales_fp32(scales, spec, K)
+    assert torch.isfinite(per_group[0]).all() and (per_group[0] > MIN_SCALE).all()
+    assert q[0].float().abs().amax() == FP8_MAX
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["self-check", "--hidden", "100"], r"--hidden: hidden=100 is not divisible"),
+    (["bench"], r"sees no CUDA device"),
+])
+def test_cli_misuse_exits_2_with_one_line(argv, message):
+    import re
+    import subprocess
+    import sys
+
+    if argv[0] == "bench" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = subprocess.run([sys.executable, "-m", "tvm_rmsquant", *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and re.search(message, result.stderr), result.stderr

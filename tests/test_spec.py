@@ -72,5 +72,8 @@ def test_default_preset_covers_the_consumer_table():
     assert {(s.layout, s.format) for s in specs} == {("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed")}
     assert {s.hidden for s in specs if s.group == 64} == {4096, 7168, None}
     assert {s.dtype for s in specs} == {"bf16", "fp16"} and {s.residual for s in specs} == {False, True}
-    dynamic = [s for s in specs if s.is_dynamic]
+    dynamic = [s for s in specs if s.is_dynamic and not s.scale_ub]
     assert len(dynamic) == 2 * 2 * 2 * 4
+    # scale_ub kernels: dynamic K, G = 128, fp32 scales in both layouts (run by the GPU tests).
+    capped = {(s.dtype, s.hidden, s.group, s.residual, s.layout, s.format) for s in specs if s.scale_ub}
+    assert capped == {(d, None, 128, r, layout, "fp32") for d in ("bf16", "fp16") for r in (False, True) for layout in ("row", "col")}

@@ -2,11 +2,13 @@
 the build, per-M-bucket dispatch, and the report. CPU only; the GPU half is
 ``tune measure`` (docs/tuning.md)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
 
 import pytest
+from conftest import require_toolchain
 
 from tvm_rmsquant.schedules import RULES, default_schedule, rule_by_name
 from tvm_rmsquant.schedules.database import DEFAULT_DATABASE, ROW_BUCKETS, DatabaseError, Record, TuningDatabase, bucket_of, build_target
@@ -17,6 +19,7 @@ from tvm_rmsquant import tune
 SPEC = VariantSpec("bf16", 4096, 128, True, "col", "fp32")
 TARGET = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "driver": "580.159.04", "cuda": "13.0", "tvm": "0.27.0.post1", "tvm_ffi": "0.1.14.post1"}
 BUILD = {**{key: TARGET[key] for key in ("compute_capability", "tvm", "tvm_ffi", "cuda")}, "gpu": None}
+DYNAMIC = VariantSpec("bf16", None, 128)
 
 
 def test_every_rule_declares_an_enumerable_space_with_an_occupancy_knob():
@@ -34,7 +37,7 @@ def test_every_rule_declares_an_enumerable_space_with_an_occupancy_knob():
 
 
 def test_the_occupancy_knob_becomes_a_launch_bounds_hint():
-    pytest.importorskip("tvm")
+    require_toolchain(nvcc=False)
     from tvm_rmsquant.codegen.lower import with_min_blocks_per_sm
 
     source = "void __launch_bounds__(128) k_kernel(int a);\nvoid __launch_bounds__(128) k_kernel(int a) {}\n"
@@ -84,6 +87,14 @@ def test_evaluate_replays_strategies_against_an_exhaustive_table():
     assert all(e["median_gap"] <= r["median_gap"] for e, r in zip(result["evolve"], result["random"]))
 
 
+def test_replayed_strategies_start_from_the_same_hand_picked_schedule():
+    """As every candidate bundle does: a head start for one strategy would be measured as its merit."""
+    rule, costs = _synthetic_costs(SPEC)
+    for seed in range(5):
+        firsts = [run_search(strategy, rule, SPEC, lambda k: costs[knob_key(k)], 9, seed)[0][0] for strategy in ("random", "evolve")]
+        assert firsts == [rule.default(SPEC)] * 2
+
+
 def test_buckets_cover_every_m():
     assert [bucket_of(m) for m in (1, 64, 65, 1024, 1025, 10**6)] == [64, 64, 1024, 1024, None, None]
     assert ROW_BUCKETS[-1][0] is None
@@ -98,12 +109,12 @@ def test_the_database_uses_matching_records_and_rejects_the_rest_with_a_reason(t
     database = TuningDatabase([
         _record(64, small),
         _record(None, {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 4}, {**TARGET, "tvm": "0.26.0"}),
-        _record(1024, {"vector": 8, "groups_per_thread": 3, "min_blocks_per_sm": 0}),
+        _record(1024, {"vector": 8, "groups_per_thread": 16, "min_blocks_per_sm": 0}),
     ])
     tuned, rejected = database.for_build(BUILD)
     assert list(tuned.records) == [(SPEC.name, 64)]
     assert any("tvm='0.26.0', the build has '0.27.0.post1'" in line for line in rejected)
-    assert any("refuses knobs" in line and "does not divide" in line for line in rejected)
+    assert any("cannot schedule" in line and "128 resident values per thread would spill" in line for line in rejected)
     assert database.for_build(BUILD, {"bf16_k7168_g128_row_fp32"})[1] == []  # only the specs being built are considered
     _, on_other_gpu = database.for_build({**BUILD, "gpu": "NVIDIA H100"})
     assert len(on_other_gpu) == 3 and "gpu='NVIDIA H200'" in on_other_gpu[0]
@@ -122,6 +133,49 @@ def test_the_database_uses_matching_records_and_rejects_the_rest_with_a_reason(t
     (tmp_path / "old.json").write_text(json.dumps({"schema_version": 1, "records": []}))
     with pytest.raises(DatabaseError, match="schema_version=1, expected 2"):
         TuningDatabase.load(tmp_path / "old.json")
+
+
+def test_the_database_refuses_ambiguous_picks_and_unknown_buckets_with_the_reason():
+    knobs = {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 0}
+    h100 = {**TARGET, "gpu": "NVIDIA H100"}
+    two_gpus = TuningDatabase([_record(64, knobs), _record(64, {**knobs, "groups_per_thread": 1}, h100)])
+    tuned, rejected = two_gpus.for_build(BUILD)
+    assert tuned.records == {} and len(rejected) == 2
+    assert all("2 records for this spec and M bucket match this build (NVIDIA H200, NVIDIA H100), so none is used: "
+               "pass --tuning-gpu NAME" in line for line in rejected)
+    # naming the GPU picks its record
+    tuned, rejected = two_gpus.for_build({**BUILD, "gpu": "NVIDIA H100"})
+    assert tuned.records[SPEC.name, 64].target["gpu"] == "NVIDIA H100" and "gpu='NVIDIA H200'" in rejected[0]
+    # two records of one GPU for one bucket: naming the GPU cannot choose
+    tuned, rejected = TuningDatabase([_record(64, knobs), _record(64, {**knobs, "groups_per_thread": 1})]).for_build({**BUILD, "gpu": "NVIDIA H200"})
+    assert tuned.records == {} and len(rejected) == 2 and "keep one record per (spec, M bucket, GPU)" in rejected[0]
+    # a bucket this code does not have is rejected, not listed as used
+    tuned, rejected = TuningDatabase([_record(7, knobs), _record(64, knobs)]).for_build(BUILD)
+    assert list(tuned.records) == [(SPEC.name, 64)]
+    assert rejected == [f"{SPEC.name} M<=7 on NVIDIA H200: max_rows=7 is not an M bucket of this code (ROW_BUCKETS: [64, 1024, None]); re-tune it"]
+
+
+@pytest.mark.parametrize("vector", [0, -8, "8"])
+def test_knob_values_outside_the_rules_space_are_refused_with_the_reason(vector):
+    for spec in (SPEC, DYNAMIC):
+        name, knobs = default_schedule(spec)
+        assert rule_by_name(name).check(spec, {**knobs, "vector": vector}) == f"vector={vector!r} is not one of its values [2, 4, 8]"
+    record = _record(64, {"vector": vector, "groups_per_thread": 2, "min_blocks_per_sm": 0})
+    tuned, rejected = TuningDatabase([record]).for_build(BUILD, kernel_digest=lambda spec, rule, knobs: record.kernel_digest)
+    assert tuned.records == {} and f"vector={vector!r} is not one of its values [2, 4, 8]" in rejected[0]
+
+
+def test_malformed_records_and_folders_fail_the_load_naming_the_field(tmp_path):
+    good = dataclasses.asdict(_record(64, {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 0}))
+    path = tmp_path / "db.json"
+    for change, says in [({"knobs": {**good["knobs"], "vector": "8"}}, "has knobs={.*'vector': '8'.*} \\(needs an object of integers\\)"),
+                         ({"target": None}, "has target=None \\(needs an object of strings\\)"),
+                         ({"max_rows": "64"}, "has max_rows='64' \\(needs an integer or null\\)")]:
+        path.write_text(json.dumps({"schema_version": 2, "records": [good, {**good, **change}]}))
+        with pytest.raises(DatabaseError, match=f"db.json: record 1 .*{says}"):
+            TuningDatabase.load(path)
+    with pytest.raises(DatabaseError, match=f"tuning database {tmp_path} is a folder; pass a file such as"):
+        TuningDatabase.load(tmp_path)
 
 
 def test_a_record_measured_on_another_kernel_is_rejected():
@@ -205,6 +259,42 @@ def test_report_ranks_plots_and_evaluates_the_search_on_an_exhaustive_run(tmp_pa
     assert all(knob_key(r["knobs"]) == best for r in summary["records"])  # 40% faster than hand-picked
 
 
+def test_timing_noise_is_the_spread_of_one_kernel_timed_as_two():
+    default = default_schedule(SPEC)[1]
+    results = _results([(default, 1.0), ({**default, "min_blocks_per_sm": 2}, 1.04), ({**default, "groups_per_thread": 2}, 0.5)])
+    noise = tune.timing_noise(results)
+    assert [(row["max_rows"], row["groups"], row["above_min_gain"]) for row in noise] == [(64, 1, 0), (1024, 1, 0), (None, 1, 0)]
+    assert all(row["worst"] == pytest.approx(0.04) and row["worst_spec"] == SPEC.name for row in noise)
+    results["candidates"][1]["ptxas"] = {"registers": 40}  # ptxas used the hint: another kernel, not noise
+    assert tune.timing_noise(results) == []
+
+
+@pytest.mark.parametrize("knobs, says", [
+    ("vector=0", "vector=0 is no schedule rule's value; vector takes [2, 4, 8]"),
+    ("vector=-8", "vector=-8 is no schedule rule's value; vector takes [2, 4, 8]"),
+    ("vectr=4", "vectr is no schedule rule's knob; the knobs are ['groups_per_thread', 'min_blocks_per_sm', 'rows_per_block', 'vector']"),
+])
+def test_build_refuses_knobs_no_rule_has_in_one_line(tmp_path, capsys, knobs, says):
+    from tvm_rmsquant.cli import main
+
+    # -j 0 stops a build that got past the knobs before it builds anything
+    with pytest.raises(SystemExit) as exit:
+        main(["build", "--knobs", knobs, "-j", "0", "--out", str(tmp_path / "out")])
+    assert exit.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: --knobs={knobs!r}: {says}"]
+    # valid for one rule (rows_per_block: dynamic_rows), not another: applied where valid
+    from tvm_rmsquant.cli import _parse_knobs
+
+    assert _parse_knobs("rows_per_block=4,groups_per_thread=2") == {"rows_per_block": 4, "groups_per_thread": 2}
+
+
+def test_tune_record_refuses_a_folder_database_in_one_line(tmp_path, capsys):
+    from tvm_rmsquant.cli import main
+
+    (tmp_path / "r.json").write_text(json.dumps(_results([(default_schedule(SPEC)[1], 1.0)])))
+    assert main(["tune", "record", str(tmp_path / "r.json"), "--db", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: --db: tuning database {tmp_path} is a folder; pass a file such as {tmp_path / 'tuning_db.json'}"]
+
+
 def test_tune_cli_refuses_what_it_cannot_do(tmp_path, capsys):
     from tvm_rmsquant.cli import main
 
@@ -212,8 +302,9 @@ def test_tune_cli_refuses_what_it_cannot_do(tmp_path, capsys):
     assert "--strategy=evolve proposes from measured results" in capsys.readouterr().err
     assert main(["tune", "build", "--trials", "0", "--out", str(tmp_path / "c")]) == 2
     (tmp_path / "r.json").write_text("{}")
-    with pytest.raises(SystemExit, match="is not a `tune measure` results file"):
+    with pytest.raises(SystemExit) as exit:
         main(["tune", "report", str(tmp_path / "r.json")])
+    assert exit.value.code == 2 and "is not a `tune measure` results file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "build", "--spec", "bf16_k4096_nonsense", "--out", str(tmp_path / "c")])
     assert not (tmp_path / "c").exists()
@@ -239,17 +330,11 @@ def test_recorded_strategy_rebuilds_the_database_picks_beside_the_hand_picked_sc
 
 
 @pytest.fixture(scope="module")
-def toolchain_or_skip():
-    pytest.importorskip("tvm", reason="building needs the TVM compiler ([build] extra)")
-    from tvm_rmsquant.codegen.nvcc import NvccError, find_nvcc
-
-    try:
-        find_nvcc()
-    except NvccError:
-        pytest.skip("nvcc is not installed")
+def toolchain():
+    require_toolchain()
 
 
-def test_a_tuned_build_ships_one_kernel_per_bucket_with_its_knobs(tmp_path, toolchain_or_skip):
+def test_a_tuned_build_ships_one_kernel_per_bucket_with_its_knobs(tmp_path, toolchain):
     from tvm_rmsquant.codegen import bundle as builder
     from tvm_rmsquant.loader import Bundle
 
@@ -269,7 +354,7 @@ def test_a_tuned_build_ships_one_kernel_per_bucket_with_its_knobs(tmp_path, tool
     assert table in source and own in source
 
 
-def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, toolchain_or_skip):
+def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, toolchain):
     from tvm_rmsquant.codegen import bundle as builder
     from tvm_rmsquant.codegen.lower import kernel_digest
     from tvm_rmsquant.loader import Bundle
@@ -288,9 +373,21 @@ def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, tool
         tune.measure_candidates(bundle, specs=[VariantSpec("bf16", 7168)])
 
 
-def test_the_build_refuses_an_unreadable_tuning_database_before_building(tmp_path, capsys, toolchain_or_skip):
+def test_the_build_refuses_an_unreadable_tuning_database_before_building(tmp_path, capsys, toolchain):
     from tvm_rmsquant.cli import main
 
     (tmp_path / "db.json").write_text("not json")
     assert main(["build", "--hidden", "4096", "--dtype", "bf16", "--tuning-db", str(tmp_path / "db.json"), "--out", str(tmp_path / "out")]) == 2
     assert "db.json is not valid JSON" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_the_build_refuses_a_folder_or_malformed_tuning_database_in_one_line(tmp_path, capsys, toolchain):
+    from tvm_rmsquant.cli import main
+
+    null_target = {**dataclasses.asdict(_record(64, {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 0})), "target": None}
+    (tmp_path / "null.json").write_text(json.dumps({"schema_version": 2, "records": [null_target]}))
+    for database, says in [(tmp_path, "is a folder"), (tmp_path / "null.json", "has target=None (needs an object of strings)")]:
+        assert main(["build", "--hidden", "4096", "--dtype", "bf16", "--tuning-db", str(database), "--out", str(tmp_path / "out")]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: tuning database {database}") and says in line
+    assert not (tmp_path / "out").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Optional
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from .dispatch import BoundKernel, Candidate
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES, TORCH_DTYPES
-from .spec import VariantSpec
+from .spec import VariantSpec, check_eps
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +22,7 @@ def _resolve(spec: VariantSpec, device_type: str, weight_dtype: torch.dtype) -> 
     if weight_dtype != TORCH_DTYPES[spec.dtype]:
         reason = f"the weight is {weight_dtype} and x {TORCH_DTYPES[spec.dtype]}; kernels take one dtype"
         logger.warning("tvm_rmsquant: %s; using the torch reference for %s", reason, spec.name)
-        return BoundKernel(spec, None, [Candidate(spec.name, False, reason)], device_type=device_type)
+        return BoundKernel(spec, None, [Candidate(spec.name, False, reason)], device_type=device_type, weight_dtype=weight_dtype)
     if device_type != "cuda":
         return BoundKernel(spec, spec.name, [Candidate(spec.name, True, "CPU op")], device_type=device_type)
     try:
@@ -55,16 +54,19 @@ def rms_norm_group_quant(
         raise TypeError(f"x must be a bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
     if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPE_NAMES:
         raise TypeError(f"weight must be a bf16, fp16 or fp32 tensor, got {getattr(weight, 'dtype', type(weight))}")
-    if not 0.0 < eps < math.inf:
-        raise ValueError(f"eps={eps!r} must be a positive finite number, such as 1e-6")
-    if x.dim() < 1 or weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight must be [{x.shape[-1] if x.dim() else '?'}] (x.shape[-1]), got shape {tuple(weight.shape)} for x {tuple(x.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} like x, got {tuple(residual.shape)} {residual.dtype}")
+    check_eps(eps)
+    if x.dim() < 1:
+        raise ValueError(f"x is 0-D; it must be [..., K] with K the hidden size, got shape {tuple(x.shape)}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must be [{x.shape[-1]}] (x.shape[-1]), got shape {tuple(weight.shape)} for x {tuple(x.shape)}")
+    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} like x, got {tuple(getattr(residual, 'shape', ()))} {getattr(residual, 'dtype', type(residual))}")
     if scale_ub is not None:
         # The functional API is not the hot path: check the cap's value here (one sync on CUDA).
         if not isinstance(scale_ub, torch.Tensor) or scale_ub.numel() != 1 or scale_ub.dtype != torch.float32:
             raise ValueError(f"scale_ub must be a one-element float32 tensor, got {scale_ub!r}")
+        if scale_ub.device != x.device:
+            raise ValueError(f"scale_ub is on {scale_ub.device} but x is on {x.device}; put every tensor on one device")
         if not float(scale_ub) > 0:
             raise ValueError(f"scale_ub={float(scale_ub)} must be > 0 (it caps each group's absmax)")
     spec = VariantSpec(DTYPE_NAMES[x.dtype], x.shape[-1], group_size, residual is not None, scale_layout, scale_format, scale_ub is not None)

@@ -2,6 +2,7 @@
 
     <dir>/CURRENT                    digest of the live bundle
     <dir>/bundles/<digest>/manifest.json, lib_*.so, lib_*.cu, torch_ops.so, torch_ops.cpp
+    <dir>/.lock                      flock'ed by a build while it publishes (readers never take it)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Optional
 SCHEMA_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 CURRENT_FILE = "CURRENT"
+LOCK_FILE = ".lock"
 
 
 def sha256_file(path: Path) -> str:
@@ -27,12 +29,18 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def manifest_digest(body: bytes) -> str:
+    """A bundle's name: the start of its manifest's sha256 (the manifest holds every file's hash)."""
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
 def bundle_dir(root: Path, digest: str) -> Path:
     return Path(root) / "bundles" / digest
 
 
 def read_current(root: Path) -> Optional[str]:
-    """The live bundle's digest, or None when ``root`` has none."""
+    """The live bundle's digest, or None when ``root`` has none (OSError or UnicodeDecodeError
+    when CURRENT cannot be read: the loader turns those into BundleError)."""
     try:
         digest = (Path(root) / CURRENT_FILE).read_text().strip()
     except FileNotFoundError:

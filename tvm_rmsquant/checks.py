@@ -4,7 +4,8 @@ The bar: the residual output bit-identical; >= 99.9% of fp8 codes identical and 
 exactly one code apart; NaN exactly where the reference has NaN; and every scale within
 one unit of the reference, where the unit is what the scale can honestly resolve:
 
-* UE8M0: one power of two.
+* UE8M0: one power of two; and every finite scale must itself be a power of two
+  (zero mantissa bits), since the contract rounds it up bit-exactly.
 * fp32 scales of bf16/fp16 input: one ulp of the dtype at the group's absmax (s * 448),
   since y is rounded to the dtype before its absmax is taken, with a tolerance of two
   units: y = dtype(dtype(h * rms) * w) rounds twice, so one flip of the inner rounding
@@ -40,6 +41,8 @@ class Agreement:
     residual_identical: Optional[bool]
     nan_mismatch: int
     scale_tolerance: float = 1.0
+    #: UE8M0 formats: finite scales that are not a power of two (the rounding was skipped).
+    scales_not_pow2: int = 0
 
     @property
     def passed(self) -> bool:
@@ -50,6 +53,7 @@ class Agreement:
             and self.scales_max_units <= self.scale_tolerance * (1 + 1e-3)
             and self.residual_identical is not False
             and self.nan_mismatch == 0
+            and self.scales_not_pow2 == 0
         )
 
     def describe(self) -> str:
@@ -57,7 +61,7 @@ class Agreement:
         return (
             f"codes identical {self.codes_identical:.6f} (max distance {self.codes_max_distance}), "
             f"scales exact {self.scales_exact:.6f} (max {self.scales_max_units:.3g} units, {self.scales_max_ulps:g} fp32 ulps){residual}, "
-            f"NaN mismatches {self.nan_mismatch}"
+            f"NaN mismatches {self.nan_mismatch}" + (f", {self.scales_not_pow2} UE8M0 scales NOT powers of two" if self.scales_not_pow2 else "")
         )
 
 
@@ -130,6 +134,7 @@ def compare(spec: VariantSpec, got, want, hidden: int) -> Agreement:
             ((_bits(residual) == _bits(residual_ref)) | (torch.isnan(residual) & torch.isnan(residual_ref))).all()
         )
     elements = q.numel()
+    not_pow2 = int((torch.isfinite(ours) & ((ours.view(torch.int32) & 0x7FFFFF) != 0)).sum()) if spec.pow2_scales else 0
     return Agreement(
         elements=elements,
         codes_identical=float(identical.float().mean()) if elements else 1.0,
@@ -140,6 +145,7 @@ def compare(spec: VariantSpec, got, want, hidden: int) -> Agreement:
         residual_identical=residual_identical,
         nan_mismatch=nan_mismatch,
         scale_tolerance=2.0 if spec.dtype in ("bf16", "fp16") and not spec.pow2_scales else 1.0,
+        scales_not_pow2=not_pow2,
     )
 
 

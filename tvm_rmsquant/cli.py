@@ -23,10 +23,20 @@ def _parse_hidden(text: str) -> List[int]:
 
 
 def _parse_knobs(text: str):
+    """name=int pairs whose names and values some rule has for some spec a build can make
+    (preset 'all'). A refusal is one line and exit 2: argparse's own would print the usage first."""
+    from .presets import preset
+    from .schedules import check_overrides
+
     try:
-        return {key: int(value) for key, value in (pair.split("=") for pair in text.split(",") if pair)}
+        knobs = {key: int(value) for key, value in (pair.split("=") for pair in text.split(",") if pair)}
+        reason = check_overrides(knobs, preset("all"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--knobs={text!r}: expected name=int pairs such as groups_per_thread=8,vector=8") from None
+        reason = "expected name=int pairs such as groups_per_thread=8,vector=8"
+    if reason is not None:
+        print(f"error: --knobs={text!r}: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    return knobs
 
 
 def _parse_spec(text: str):
@@ -46,9 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--preset", default="default", choices=["default", "all"])
     build.add_argument("--hidden", type=_parse_hidden, help="only these hidden sizes, e.g. 4096,7168")
     build.add_argument("--dtype", action="append", choices=["bf16", "fp16", "fp32"], help="only these dtypes (repeatable)")
-    build.add_argument("--out", type=Path, default=default_bundle_dir(), help="bundle directory (default: %(default)s)")
+    build.add_argument("--out", default=str(default_bundle_dir()), help="bundle directory (default: %(default)s)")
     build.add_argument("-j", "--jobs", type=int, default=2, help="parallel lowering processes and nvcc invocations")
-    build.add_argument("--cache", type=Path, help="build cache directory (default: ~/.cache/tvm_rmsquant)")
+    build.add_argument("--cache", help="build cache directory (default: ~/.cache/tvm_rmsquant)")
     build.add_argument("--knobs", type=_parse_knobs, default={}, help="override schedule knobs where valid, e.g. groups_per_thread=8")
     tuning = build.add_mutually_exclusive_group()
     tuning.add_argument("--tuning-db", type=Path, help="tuning database to take measured schedules from (default: the one shipped with the package)")
@@ -118,6 +128,16 @@ def _build(args) -> int:
     if args.jobs < 1:
         print(f"error: -j/--jobs={args.jobs}: expected a positive integer", file=sys.stderr)
         return 2
+    from .bundle_format import default_cache_dir
+
+    # Strings, not argparse's Path: Path('') is '.', and --out '' would build into the working directory.
+    directories = {"--out": args.out, "--cache": str(default_cache_dir()) if args.cache is None else args.cache}
+    for flag, path in directories.items():
+        reason = "an empty path; give a directory, e.g. build/bundle" if path == "" else builder.unwritable(Path(path))
+        if reason is not None:
+            print(f"error: {flag}={path!r}: {reason}", file=sys.stderr)
+            return 2
+    out, cache = Path(directories["--out"]), Path(directories["--cache"])
     try:
         specs = preset(args.preset, hidden=args.hidden, dtypes=args.dtype)
     except ValueError as error:
@@ -154,14 +174,13 @@ def _build(args) -> int:
         }
         try:
             report = builder.build(
-                specs, args.out, jobs=args.jobs, cache_dir=args.cache, choose=overriding(args.knobs), tuned=tuned,
+                specs, out, jobs=args.jobs, cache_dir=cache, choose=overriding(args.knobs), tuned=tuned,
                 progress=lambda stage, n: bar.advance(tasks[stage], n), extra=extra,
             )
         except OSError as error:
-            if error.errno == errno.ENOSPC:
-                print(f"error: disk full while building into {args.out} or its cache: {error}; nothing was published", file=sys.stderr)
-                return 1
-            raise
+            reason = "disk full" if error.errno == errno.ENOSPC else "a file could not be written or read"
+            print(f"error: {reason} while building into {out} or its cache {cache}: {error}; nothing was published", file=sys.stderr)
+            return 1
         except NvccError as error:
             print(f"error: {error}\nnothing was published", file=sys.stderr)
             return 1
@@ -193,7 +212,13 @@ def _inspect(args) -> int:
 
 
 def _bench(args) -> int:
+    import torch
+
     from .bench import run_benchmark
+
+    if not torch.cuda.is_available():
+        print(f"error: bench times CUDA kernels, and this torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        return 2
 
     formats = [tuple(pair.split(":")) for pair in args.formats.split(",")]
     bundle = _open(args.bundle)
@@ -235,26 +260,39 @@ def _tune(args) -> int:
         tune.report(results, args.out)
         print(f"wrote {args.out}/summary.json, knob_heatmap.png, best_so_far.png")
         return 0
-    from .schedules.database import DEFAULT_DATABASE
+    from .schedules.database import DEFAULT_DATABASE, DatabaseError
 
-    database = tune.record(results, args.db or DEFAULT_DATABASE)
+    try:
+        database = tune.record(results, args.db or DEFAULT_DATABASE)
+    except DatabaseError as error:
+        print(f"error: --db: {error}", file=sys.stderr)
+        return 2
     print(f"{args.db or DEFAULT_DATABASE}: {len(database.records)} records")
     return 0
 
 
 def _read_results(path: Path):
+    """The results JSON at ``path``; otherwise one line and exit 2, as every refused argument."""
     try:
         results = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise SystemExit(f"error: results {path} cannot be read: {error}")
-    if not isinstance(results, dict) or "candidates" not in results or "target" not in results:
-        raise SystemExit(f"error: {path} is not a `tune measure` results file (it needs 'target' and 'candidates')")
-    return results
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        reason = f"results {path} cannot be read: {error}"
+    else:
+        if isinstance(results, dict) and "candidates" in results and "target" in results:
+            return results
+        reason = f"{path} is not a `tune measure` results file (it needs 'target' and 'candidates')"
+    print(f"error: {reason}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _self_check(args) -> int:
-    from .selfcheck import run_cpu_self_check
+    from .selfcheck import run_cpu_self_check, self_check_specs
 
+    try:
+        list(self_check_specs(args.hidden))
+    except ValueError as error:
+        print(f"error: --hidden: {error}", file=sys.stderr)
+        return 2
     return 0 if run_cpu_self_check(args.hidden) else 1
 
 

@@ -10,8 +10,16 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import torch
+
 from . import launch
-from .spec import VariantSpec
+from .spec import VariantSpec, scale_geometry
+
+#: Elements per CPU launch. The llvm build is the unscheduled tensor expression, whose
+#: stages materialize fp32 [M, K] buffers (the reference's temporaries are the same), so one
+#: launch over M·K >= 2**31 bf16 elements wanted tens of GiB and was killed for memory.
+#: 2**24 elements caps each such buffer at 64 MiB.
+CHUNK_ELEMENTS = 1 << 24
 
 
 def available() -> bool:
@@ -28,5 +36,29 @@ def function(spec: VariantSpec):
     def call(*args):
         if args[0].shape[0]:
             grouped(*launch.group_views(spec, args))
+
+    return call
+
+
+def by_row_chunks(spec: VariantSpec, function):
+    """``function`` (kernel calling convention) run over blocks of rows of at most
+    ``CHUNK_ELEMENTS`` elements; each block's scales go through a compact buffer of the
+    layout, copied into the caller's rows."""
+    kinds = [kind for _, kind in launch.parameters(spec)]
+    scales_at = [name for name, _ in launch.parameters(spec)].index("scales")
+
+    def call(*args):
+        rows, hidden = args[0].shape
+        step = max(1, CHUNK_ELEMENTS // max(hidden, 1))
+        if rows <= step:
+            return function(*args)
+        scales = args[scales_at]
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            part = [arg[start:stop] if kind == launch.ROWS else arg for arg, kind in zip(args, kinds)]
+            shape, strides, _, _ = scale_geometry(spec, stop - start, hidden)
+            part[scales_at] = torch.empty_strided(shape, strides, dtype=scales.dtype)
+            function(*part)
+            scales[start:stop].copy_(part[scales_at])
 
     return call

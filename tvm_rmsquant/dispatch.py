@@ -17,7 +17,7 @@ import torch
 from . import ops, reference
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES
-from .spec import VariantSpec
+from .spec import VariantSpec, check_eps
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class BoundKernel:
     #: Where the variant was chosen to run: the fusion pass traces its pattern there
     #: (the reference's scale allocation names its device).
     device_type: str = "cuda"
+    #: The norm weight's dtype where it is not x's (a reference layer, ``select(weight_dtype=)``).
+    weight_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
         # The eager op for this variant's arguments, looked up once (None: take the general path).
@@ -84,11 +86,27 @@ class BoundKernel:
 
     def _call(self, x, weight, eps, residual, scale_ub):
         flat, residual_flat = x, residual
+        if isinstance(x, torch.Tensor) and x.dim() == 0:
+            raise ValueError("x is 0-D; it must be [..., K] with K the hidden size")
         if x.dim() != 2:
             flat = x.reshape(-1, x.shape[-1])
-            residual_flat = None if residual is None else residual.view(flat.shape)
+            if residual is not None:
+                if residual.shape != x.shape:
+                    raise ValueError(f"residual must be {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+                try:
+                    residual_flat = residual.view(flat.shape)
+                except RuntimeError:
+                    raise ValueError(
+                        f"residual of shape {tuple(residual.shape)} and strides {residual.stride()} cannot be viewed as "
+                        f"{tuple(flat.shape)} rows, which it is updated in place as; pass a contiguous residual"
+                    ) from None
         compiling = _is_compiling()
         if self.variant is None:
+            # The reference runs the contract's checks too: a layer routed here is no less checked.
+            check_eps(eps)
+            ops.check_arguments(self.spec, flat, weight, residual_flat, scale_ub, self.weight_dtype)
+            if residual is not None:
+                ops.check_mutable("residual", residual)
             q, scales, residual_out = reference.rms_norm_group_quant(flat, weight, eps, self.spec, residual_flat, scale_ub)
             if residual is not None:
                 residual.copy_(residual_out.view(residual.shape))
@@ -166,6 +184,8 @@ def select(
     chosen = None
     if weight_dtype is not None and weight_dtype != dtype:
         why.append(Candidate(spec.name, False, f"the norm weight is {weight_dtype} and the activations {dtype}; kernels take one dtype"))
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        why.append(Candidate("device", False, f"device={device}, but this torch {torch.__version__} has no CUDA device"))
     elif device.type == "cuda":
         try:
             opened = open_bundle(bundle)
@@ -197,7 +217,7 @@ def select(
     if chosen is None:
         logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
-        return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type)
+        return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type, weight_dtype=weight_dtype)
     spec_bound = chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen
     kernel = ops.kernel(chosen.name, device) if device.type == "cuda" and no_native is not None else None
     return BoundKernel(spec=spec_bound, variant=chosen.name, why=why, kernel=kernel, device_type=device.type)

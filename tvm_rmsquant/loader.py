@@ -7,7 +7,6 @@ default output directory (``~/.cache/tvm_rmsquant/bundle``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -15,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Dict, Optional
 
-from .bundle_format import MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, read_current, sha256_file
+from .bundle_format import CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, manifest_digest, read_current, sha256_file
 from .spec import VariantSpec
 
 ENV_VAR = "TVM_RMSQUANT_BUNDLE"
@@ -28,13 +27,52 @@ class BundleError(RuntimeError):
     """A bundle is missing, corrupted, or was built for another toolchain or GPU."""
 
 
+#: What a manifest must hold, and of which type, for this package to read it (a tuple: an object
+#: of any keys whose values have the inner form). Checked at open, so that a bad manifest is a
+#: BundleError there, which select() falls back on, never a KeyError or TypeError at first use.
+_FILE = {"sha256": str, "source": str, "source_sha256": str}
+_KERNEL = {"library": str, "symbol": str, "rule": str, "knobs": dict}
+_MANIFEST = {
+    "toolchain": {"apache-tvm-ffi": str, "target_arch": str},
+    "libraries": (_FILE,),
+    "torch_ops": {**_FILE, "library": str, "torch_stable_target": str},
+    "variants": (_KERNEL,),
+}
+_CANDIDATES = ({**_KERNEL, "spec": dict, "kernel_digest": str, "ptxas": dict},)
+
+
+def _check_form(value, form, where: str) -> None:
+    if isinstance(form, (dict, tuple)) and not isinstance(value, dict):
+        raise BundleError(f"{where} is a JSON {type(value).__name__}, expected an object; rebuild the bundle")
+    if isinstance(form, tuple):
+        for key, inner in value.items():
+            _check_form(inner, form[0], f"{where}[{key!r}]")
+    elif isinstance(form, dict):
+        for key, inner in form.items():
+            if key not in value:
+                raise BundleError(f"{where} has no {key!r}; the manifest is incomplete: rebuild the bundle")
+            _check_form(value[key], inner, f"{where}[{key!r}]")
+    elif not isinstance(value, form):
+        raise BundleError(f"{where}={value!r} is a JSON {type(value).__name__}, expected {form.__name__}; rebuild the bundle")
+
+
+def current_digest(root: Path) -> Optional[str]:
+    """``read_current``, where CURRENT that is a folder, not UTF-8 or unreadable is a BundleError."""
+    try:
+        return read_current(root)
+    except (OSError, ValueError) as error:
+        raise BundleError(
+            f"{Path(root) / CURRENT_FILE} cannot be read ({error}); rebuild with `python -m tvm_rmsquant build --out {root}`"
+        ) from None
+
+
 def resolve_path(path=None) -> Path:
     """Where to load the bundle from (see the module docstring)."""
     if path is not None:
         return Path(path)
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR])
-    if read_current(PACKAGE_BUNDLE):
+    if current_digest(PACKAGE_BUNDLE):
         return PACKAGE_BUNDLE
     return default_bundle_dir()
 
@@ -44,7 +82,12 @@ class Bundle:
 
     def __init__(self, root):
         self.root = Path(root)
-        digest = read_current(self.root)
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise BundleError(
+                f"bundle path {self.root} is a file, not a bundle directory: point bundle= or ${ENV_VAR} "
+                f"at the --out directory of `python -m tvm_rmsquant build`"
+            )
+        digest = current_digest(self.root)
         if digest is None:
             raise BundleError(
                 f"no bundle at {self.root} (no CURRENT file); build one with "
@@ -56,22 +99,27 @@ class Bundle:
             raw = manifest_path.read_bytes()
         except FileNotFoundError:
             raise BundleError(f"bundle {self.path} has no {MANIFEST_FILE}; CURRENT names a bundle that is not there") from None
-        if hashlib.sha256(raw).hexdigest()[:16] != digest:
+        except (OSError, ValueError) as error:
+            raise BundleError(f"{manifest_path} cannot be read ({error}); rebuild with `python -m tvm_rmsquant build --out {self.root}`") from None
+        if manifest_digest(raw) != digest:
             raise BundleError(f"{manifest_path} does not match its digest {digest}: the manifest was modified or corrupted")
         try:
             self.manifest = json.loads(raw)
-        except json.JSONDecodeError as error:
+        except ValueError as error:  # not JSON, or not UTF-8
             raise BundleError(f"{manifest_path} is not valid JSON: {error}") from None
-        self._verify()
+        self._verify(f"{manifest_path}: manifest")
         self._modules: Dict[str, object] = {}
         self._lock = threading.Lock()
 
-    def _verify(self) -> None:
+    def _verify(self, where: str) -> None:
         manifest = self.manifest
+        _check_form(manifest, {}, where)
         if manifest.get("schema_version") != SCHEMA_VERSION:
             raise BundleError(
                 f"bundle schema_version={manifest.get('schema_version')!r}, this package reads {SCHEMA_VERSION}; rebuild the bundle"
             )
+        _check_form(manifest, _MANIFEST, where)
+        _check_form(manifest.get("candidates", {}), _CANDIDATES, f"{where}['candidates']")
         built_ffi = manifest["toolchain"]["apache-tvm-ffi"]
         installed_ffi = metadata.version("apache-tvm-ffi")
         if built_ffi != installed_ffi:
@@ -81,16 +129,31 @@ class Bundle:
             )
         if manifest["toolchain"]["target_arch"] not in ARCH_CAPABILITY:
             raise BundleError(f"bundle targets {manifest['toolchain']['target_arch']!r}, which this package cannot run")
-        files = [(library, entry) for library, entry in manifest["libraries"].items()]
-        files.append((manifest["torch_ops"]["library"], manifest["torch_ops"]))
-        for library, entry in files:
-            for name, expected in ((library, entry["sha256"]), (entry["source"], entry["source_sha256"])):
-                path = self.path / name
-                if not path.exists():
-                    raise BundleError(f"bundle {self.path} is missing {name}")
-                actual = sha256_file(path)
-                if actual != expected:
-                    raise BundleError(f"{path} has sha256 {actual[:12]}…, the manifest says {expected[:12]}…: the file is corrupted")
+        self._hashes = {}
+        for library, entry in [*manifest["libraries"].items(), (manifest["torch_ops"]["library"], manifest["torch_ops"])]:
+            self._hashes.update({library: entry["sha256"], entry["source"]: entry["source_sha256"]})
+        for name in self._hashes:
+            if name in ("", ".", "..") or Path(name).name != name:
+                raise BundleError(f"{where} names the file {name!r}, which is not a plain file name; rebuild the bundle")
+        for entry in [*manifest["variants"].values(), *manifest.get("candidates", {}).values()]:
+            if entry["library"] not in manifest["libraries"]:
+                raise BundleError(f"{where}: kernel {entry['symbol']!r} is in library {entry['library']!r}, which the manifest does not list")
+        for name in self._hashes:
+            self.verified_path(name)
+
+    def verified_path(self, name: str) -> Path:
+        """The bundle's file ``name`` after hashing it again. Libraries load lazily, and one
+        truncated since the bundle was opened would kill the process with SIGBUS at first use."""
+        path, expected = self.path / name, self._hashes[name]
+        try:
+            actual = sha256_file(path)
+        except FileNotFoundError:
+            raise BundleError(f"bundle {self.path} is missing {name}") from None
+        except OSError as error:
+            raise BundleError(f"{path} cannot be read ({error}); rebuild with `python -m tvm_rmsquant build --out {self.root}`") from None
+        if actual != expected:
+            raise BundleError(f"{path} has sha256 {actual[:12]}…, the manifest says {expected[:12]}…: the file is corrupted")
+        return path
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -136,13 +199,13 @@ class Bundle:
         return self.kernel_function(self.entry(name))
 
     def kernel_function(self, entry: Dict):
-        """The tvm-ffi function of one manifest kernel entry (its library is loaded once)."""
+        """The tvm-ffi function of one manifest kernel entry (its library is verified and loaded once)."""
         import tvm_ffi
 
         with self._lock:
             module = self._modules.get(entry["library"])
             if module is None:
-                module = tvm_ffi.load_module(str(self.path / entry["library"]))
+                module = tvm_ffi.load_module(str(self.verified_path(entry["library"])))
                 self._modules[entry["library"]] = module
         return module[entry["symbol"]]
 
@@ -154,6 +217,6 @@ def open_bundle(path=None) -> Bundle:
     """The bundle at ``path`` (resolved as in the module docstring), opened once per process."""
     root = resolve_path(path).resolve()
     bundle = _OPENED.get(root)
-    if bundle is None or read_current(root) != bundle.path.name:
+    if bundle is None or current_digest(root) != bundle.path.name:
         bundle = _OPENED[root] = Bundle(root)
     return bundle

@@ -48,7 +48,7 @@ def _load(bundle: Bundle):
     if _register is None:
         import tvm_ffi
 
-        path = str(bundle.path / bundle.torch_ops["library"])
+        path = str(bundle.verified_path(bundle.torch_ops["library"]))
         try:
             torch.ops.load_library(path)
             _register = tvm_ffi.load_module(path)["register_variant"]

@@ -7,20 +7,26 @@ bundle on first use). On CUDA the allocating ops run the bundle's C++ implementa
 is registered for every backend without a kernel of its own; CPU calls run the llvm build
 of the same tensor expression where the TVM compiler is installed, else the torch
 reference. Fake implementations give the exact shapes, dtypes and strides, the
-TMA-padded col layout included.
+TMA-padded col layout included, and refuse tensors on mixed devices (a meta weight with a
+CPU x dispatches to them, and would otherwise return outputs nothing wrote).
+
+The ops are inference-only. The functional ones fall through autograd, so their outputs
+carry no gradient (a backward through q or the scales raises torch's "does not require
+grad"). The two that mutate a tensor (the residual, vLLM's out buffers) refuse one that
+requires grad while grad mode is on, as torch refuses an in-place update of a leaf that
+requires grad; under ``torch.inference_mode()`` that check costs nothing.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from . import cpu, launch, native, reference
 from .loader import open_bundle
-from .spec import TMA_ALIGN_ROWS, VariantSpec
+from .spec import TMA_ALIGN_ROWS, VariantSpec, check_eps
 
 FP8 = torch.float8_e4m3fn
 
@@ -93,13 +99,14 @@ class Kernel:
         The updated residual goes to ``residual_out`` when given, else into ``residual`` in place.
         """
         spec = self.spec
-        if not 0.0 < eps < math.inf:
-            raise ValueError(f"eps={eps!r} must be a positive finite number, such as 1e-6")
+        check_eps(eps)
+        if residual is not None and residual_out is None:
+            check_mutable("residual", residual)
         if not self.checks_natively or (residual is None) == spec.residual or (scale_ub is None) == spec.scale_ub:
-            _check(spec, x, weight, residual, scale_ub)
+            check_arguments(spec, x, weight, residual, scale_ub)
         if not x.is_contiguous():
             if x.stride(-1) != 1:
-                _check(spec, x, weight, residual, scale_ub)
+                check_arguments(spec, x, weight, residual, scale_ub)
             x = x.contiguous()  # strided rows: the kernel reads compact rows
         if not weight.is_contiguous():
             weight = weight.contiguous()
@@ -114,6 +121,8 @@ class Kernel:
             return q, scales
         if residual.stride(-1) != 1:
             raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
+        if residual_out is None:
+            _check_rows_own_memory("residual", residual)
         source = residual if residual.is_contiguous() else residual.contiguous()
         # In place, each residual element is read and then overwritten by the same thread.
         target = source if residual_out is None else residual_out
@@ -155,7 +164,7 @@ def _load_kernel(spec: VariantSpec, device: torch.device) -> Kernel:
         bundle.check_device(torch.cuda.get_device_capability(device))
         return Kernel(spec, bundle.function(spec.name), checks_natively=True)
     if device.type == "cpu":
-        return Kernel(spec, cpu.function(spec) if cpu.available() else _reference_function(spec), checks_natively=False)
+        return Kernel(spec, cpu.by_row_chunks(spec, cpu.function(spec) if cpu.available() else _reference_function(spec)), checks_natively=False)
     raise ValueError(f"x is on {device}; tvm_rmsquant runs on CUDA (bundle kernels) and CPU (llvm build or reference)")
 
 
@@ -176,9 +185,40 @@ def _reference_function(spec: VariantSpec):
     return call
 
 
-def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=None, scale_ub=None) -> None:
-    """Refuse input the variant cannot run, naming the argument, the value and what works."""
+def check_mutable(name: str, tensor: torch.Tensor) -> None:
+    """Refuse to update in place a tensor that requires grad (see the module docstring)."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name} requires grad, and tvm_rmsquant's ops are inference-only: they would update it in place "
+            f"with no gradient; call under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()"
+        )
+
+
+def _check_rows_own_memory(name: str, tensor: torch.Tensor) -> None:
+    """Refuse an in-place target whose rows share memory (an expanded tensor): one write
+    would land in several rows."""
+    if tensor.dim() == 2 and tensor.shape[0] > 1 and tensor.stride(0) < tensor.shape[1]:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} and strides {tensor.stride()}: its rows overlap (an expanded "
+            f"tensor?), so it cannot be updated in place; pass {name}.clone()"
+        )
+
+
+def _check_devices(x: torch.Tensor, **tensors) -> None:
+    """Every tensor on x's device, or an error naming the first one that is not."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}; put every tensor on one device")
+
+
+def check_arguments(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=None, scale_ub=None, weight_dtype=None) -> None:
+    """Refuse input the variant cannot run, naming the argument, the value and what works.
+
+    ``weight_dtype`` is the norm weight's dtype where the layer runs the reference with a
+    weight of another dtype than x (``select(weight_dtype=...)``)."""
     dtype = reference.TORCH_DTYPES[spec.dtype]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     if x.dtype != dtype:
         raise TypeError(f"x.dtype={x.dtype} does not match variant {spec.name}, which takes {dtype}")
     if x.dim() != 2:
@@ -189,7 +229,12 @@ def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=No
         raise ValueError(f"x.shape[-1]={hidden}: variant {spec.name} {reason}")
     if x.stride(-1) != 1:
         raise ValueError(f"x must have a contiguous last dimension, got strides {x.stride()}")
-    if weight.dtype != dtype:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
+    if weight_dtype is not None and weight_dtype != dtype:
+        if weight.dtype != weight_dtype:
+            raise TypeError(f"weight.dtype={weight.dtype}; this layer was selected for a {weight_dtype} norm weight")
+    elif weight.dtype != dtype:
         raise TypeError(
             f"weight.dtype={weight.dtype} differs from x.dtype={dtype}; the kernels take one dtype. For a "
             f"{weight.dtype} norm weight (Gemma-style) use tvm_rmsquant.select(..., weight_dtype={weight.dtype}), "
@@ -197,7 +242,6 @@ def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=No
         )
     if weight.shape != (hidden,):
         raise ValueError(f"weight must be [{hidden}] (x.shape[-1]), got shape {tuple(weight.shape)}")
-    tensors = {"weight": weight}
     if spec.residual != (residual is not None):
         raise ValueError(
             f"variant {spec.name} {'updates a residual: call fused_add_rms_norm_group_quant' if spec.residual else 'has no residual: use a _res variant'}"
@@ -207,19 +251,16 @@ def _check(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, residual=No
             raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
         if residual.shape != x.shape or residual.dtype != dtype:
             raise ValueError(f"residual must be {tuple(x.shape)} {dtype} like x, got {tuple(residual.shape)} {residual.dtype}")
-        tensors["residual"] = residual
     if spec.scale_ub != (scale_ub is not None):
         raise ValueError(f"variant {spec.name} {'needs' if spec.scale_ub else 'takes no'} scale_ub, got {None if scale_ub is None else tuple(scale_ub.shape)}")
     if scale_ub is not None:
         if scale_ub.numel() != 1 or scale_ub.dtype != torch.float32:
             raise ValueError(f"scale_ub must be a one-element float32 tensor, got {tuple(scale_ub.shape)} {scale_ub.dtype}")
-        tensors["scale_ub"] = scale_ub
-    for name, tensor in tensors.items():
-        if tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}; put every tensor on one device")
+    _check_devices(x, weight=weight, residual=residual, scale_ub=scale_ub)
 
 
-def _outputs(spec: VariantSpec, x: torch.Tensor):
+def _outputs(spec: VariantSpec, x: torch.Tensor, **inputs):
+    _check_devices(x, **inputs)
     rows, hidden = x.shape
     q = torch.empty((rows, hidden), dtype=FP8, device=x.device)
     return q, reference.empty_scales(spec, rows, hidden, x.device)
@@ -254,14 +295,16 @@ def _rms_norm_per_block_quant(out, input, weight, scales, epsilon, scale_ub, res
         raise ValueError(f"input must be 2-D [M, K], got shape {tuple(input.shape)}")
     variant = _per_block_variant(input.dtype, input.shape[1], group_size, residual is not None, is_scale_transposed, scale_ub is not None, input.device.type)
     spec = spec_of(variant)
-    _check(spec, input, weight, residual, scale_ub)
+    check_arguments(spec, input, weight, residual, scale_ub)
     expected = reference.empty_scales(spec, input.shape[0], input.shape[1], "meta")
+    # M = 0: nothing is written, and an empty tensor's strides are whatever made it (.t() gives (1, 1)).
+    strides_match = input.shape[0] == 0 or scales.stride() == expected.stride()
     if out.shape != input.shape or out.dtype != FP8 or not out.is_contiguous() or out.device != input.device:
         raise ValueError(
             f"out must be a contiguous {tuple(input.shape)} float8_e4m3fn tensor on {input.device}, "
             f"got {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}"
         )
-    if scales.shape != expected.shape or scales.stride() != expected.stride() or scales.dtype != torch.float32 or scales.device != input.device:
+    if scales.shape != expected.shape or not strides_match or scales.dtype != torch.float32 or scales.device != input.device:
         raise ValueError(
             f"scales must be {tuple(expected.shape)} float32 with strides {expected.stride()} on {input.device} "
             f"(is_scale_transposed={is_scale_transposed}), got {tuple(scales.shape)} {scales.dtype} strides {scales.stride()} on {scales.device}"
@@ -279,26 +322,46 @@ for _name, _function in (
     _library.impl(_name, _function, "CompositeExplicitAutograd")
 _library.impl("rms_norm_per_block_quant", _rms_norm_per_block_quant, "CPU")
 _library.impl("rms_norm_per_block_quant", _rms_norm_per_block_quant, "CUDA")
+for _name in ("rms_norm_group_quant", "add_rms_norm_group_quant"):
+    _library.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+
+
+def _autograd_fused_add(x, residual, weight, eps, variant, scale_ub=None):
+    check_mutable("residual", residual)
+    with torch._C._AutoDispatchBelowAutograd():
+        return fused_add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub)
+
+
+def _autograd_per_block(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed):
+    for name, tensor in (("out", out), ("scales", scales), ("residual", residual)):
+        if tensor is not None:
+            check_mutable(name, tensor)
+    with torch._C._AutoDispatchBelowAutograd():
+        return rms_norm_per_block_quant(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed)
+
+
+_library.impl("fused_add_rms_norm_group_quant", _autograd_fused_add, "Autograd")
+_library.impl("rms_norm_per_block_quant", _autograd_per_block, "Autograd")
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rms_norm_group_quant")
 def _fake(x, weight, eps, variant, scale_ub=None):
-    return _outputs(spec_of(variant), x)
+    return _outputs(spec_of(variant), x, weight=weight, scale_ub=scale_ub)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::fused_add_rms_norm_group_quant")
 def _fake_fused(x, residual, weight, eps, variant, scale_ub=None):
-    return _outputs(spec_of(variant), x)
+    return _outputs(spec_of(variant), x, residual=residual, weight=weight, scale_ub=scale_ub)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::add_rms_norm_group_quant")
 def _fake_add(x, residual, weight, eps, variant, scale_ub=None):
-    return (*_outputs(spec_of(variant), x), torch.empty_like(x, memory_format=torch.contiguous_format))
+    return (*_outputs(spec_of(variant), x, residual=residual, weight=weight, scale_ub=scale_ub), torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rms_norm_per_block_quant")
 def _fake_out(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed):
-    return None
+    _check_devices(input, out=out, weight=weight, scales=scales, scale_ub=scale_ub, residual=residual)
 
 
 rms_norm_group_quant = torch.ops.tvm_rmsquant.rms_norm_group_quant

@@ -16,6 +16,10 @@ DEFAULT_DTYPES = ("bf16", "fp16")
 #: with UE8M0 scales, Blackwell DeepGEMM.
 CONSUMER_LAYOUTS = (("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed"))
 ALL_LAYOUTS = CONSUMER_LAYOUTS + (("row", "ue8m0"),)
+#: The default's scale_ub kernels (vLLM's ``rms_norm_per_block_quant`` takes a cap): dynamic
+#: K, G = 128, fp32 scales in both layouts: 8 variants, so that every kernel the ops can be
+#: asked for is built, and so run by the GPU tests, without doubling the build.
+DEFAULT_SCALE_UB_LAYOUTS = (("row", "fp32"), ("col", "fp32"))
 PRESETS = ("default", "all")
 
 
@@ -42,4 +46,7 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     layouts = CONSUMER_LAYOUTS if name == "default" else ALL_LAYOUTS
     scale_ubs = (False,) if name == "default" else (False, True)
     dynamic = [(None, 128), (None, 64)]
-    return sorted(set(_specs(dtypes, static + dynamic, layouts, scale_ubs)), key=lambda spec: spec.name)
+    specs = _specs(dtypes, static + dynamic, layouts, scale_ubs)
+    if name == "default":
+        specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
+    return sorted(set(specs), key=lambda spec: spec.name)

@@ -6,6 +6,7 @@ on a ``VariantSpec``; its ``name`` is the stable identifier stored in manifests.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -32,6 +33,17 @@ _NAME_RE = re.compile(
 
 def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
+
+
+def check_eps(eps) -> None:
+    """Refuse an eps the fp32 kernels cannot use: it must be a number that stays positive and
+    finite in fp32, the precision the norm adds it in (1e39 becomes inf and zeroes every
+    row; 1e-50 becomes 0 and gives an all-zero row NaN scales)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps={eps!r} must be a float, such as 1e-6")
+    as_fp32 = ctypes.c_float(eps).value
+    if not 0.0 < as_fp32 < float("inf"):
+        raise ValueError(f"eps={eps!r} must be positive and finite in fp32 (it is {as_fp32!r} there), such as 1e-6")
 
 
 def _choice_error(argument: str, value, accepted) -> ValueError:
