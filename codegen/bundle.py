@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tvm_rmsquant import __version__, launch
-from tvm_rmsquant.bundle_format import (CURRENT_FILE, LOCK_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_cache_dir,
-                                        manifest_digest, read_current, sha256_file)
+from tvm_rmsquant.bundle_format import (CURRENT_FILE, LOCK_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_cache_dir, dynamic_symbols,
+                                        installed_libtvm_ffi, manifest_digest, read_current, sha256_file, tvm_ffi_imports)
 from tvm_rmsquant.loader import BundleError
 from tvm_rmsquant.schedules import default_schedule
 from tvm_rmsquant.spec import VariantSpec
@@ -348,8 +348,9 @@ def build_libraries(
                 objects[name] = (library, record)
                 tick("compile", 1)
 
-    torch_ops, torch_ops_entry = build_torch_ops(cache_dir, tools)
-    manifest = {**_manifest(libraries, sources, objects, tools, fingerprint), "torch_ops": torch_ops_entry, **(extra or {})}
+    ffi_exports = dynamic_symbols(installed_libtvm_ffi())[0]  # the libtvm_ffi.so that nvcc linked against
+    torch_ops, torch_ops_entry = build_torch_ops(cache_dir, tools, ffi_exports)
+    manifest = {**_manifest(libraries, sources, objects, tools, fingerprint, ffi_exports), "torch_ops": torch_ops_entry, **(extra or {})}
     files = {TORCH_OPS_LIBRARY: (torch_ops, torch_ops_entry["sha256"]), TORCH_OPS_SOURCE.name: (TORCH_OPS_SOURCE, torch_ops_entry["source_sha256"])}
     for name in libraries:
         files[f"{name}.cu"], files[f"{name}.so"] = sources[name], (objects[name][0], objects[name][1]["sha256"])
@@ -365,8 +366,9 @@ def build_libraries(
     )
 
 
-def build_torch_ops(cache_dir: Path, tools: Dict[str, str]) -> Tuple[Path, Dict]:
-    """torch_ops.so from the compile cache or nvcc, and its manifest entry."""
+def build_torch_ops(cache_dir: Path, tools: Dict[str, str], ffi_exports) -> Tuple[Path, Dict]:
+    """torch_ops.so from the compile cache or nvcc, and its manifest entry (``ffi_exports``: what
+    the libtvm_ffi.so it links against exports, to record what it imports of it)."""
     import torch
 
     source_sha = sha256_file(TORCH_OPS_SOURCE)
@@ -379,11 +381,12 @@ def build_torch_ops(cache_dir: Path, tools: Dict[str, str]) -> Tuple[Path, Dict]
         "source_sha256": source_sha,
         "torch_stable_target": ".".join(map(str, nvcc_step.TORCH_STABLE_TARGET)),
         "built_with_torch": torch.__version__,
+        "tvm_ffi_imports": tvm_ffi_imports(library, ffi_exports),
     }
     return library, entry
 
 
-def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
+def _manifest(libraries, sources, objects, tools, fingerprint, ffi_exports) -> Dict:
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "toolchain": {key: value for key, value in tools.items() if key != "nvcc_path"},
@@ -393,7 +396,8 @@ def _manifest(libraries, sources, objects, tools, fingerprint) -> Dict:
     }
     for name, variants in sorted(libraries.items()):
         record = objects[name][1]
-        manifest["libraries"][f"{name}.so"] = {"sha256": record["sha256"], "source": f"{name}.cu", "source_sha256": sources[name][1]}
+        manifest["libraries"][f"{name}.so"] = {"sha256": record["sha256"], "source": f"{name}.cu", "source_sha256": sources[name][1],
+                                               "tvm_ffi_imports": tvm_ffi_imports(objects[name][0], ffi_exports)}
         for variant in variants:
             entry = variant.manifest_entry(f"{name}.so", record["ptxas"])
             if variant.candidate:

@@ -14,6 +14,8 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List
 
+from tvm_rmsquant.bundle_format import installed_libtvm_ffi
+
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 #: No --use_fast_math: it makes y / s an approximate division and breaks the contract.
 NVCC_FLAGS = ["-shared", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", GENCODE, "-Xptxas", "-v"]
@@ -63,13 +65,13 @@ def cuda_major(version: str) -> int:
 
 
 def ffi_paths() -> Dict[str, str]:
-    """Include and library directories of the installed apache-tvm-ffi."""
+    """Include and library directories of the installed apache-tvm-ffi (the library the loader checks bundles against)."""
     from tvm_ffi import libinfo
 
     return {
         "include": libinfo.find_include_path(),
         "dlpack": libinfo.find_dlpack_include_path(),
-        "libdir": str(Path(libinfo.find_libtvm_ffi()).parent),
+        "libdir": str(Path(installed_libtvm_ffi()).parent),
     }
 
 

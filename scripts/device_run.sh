@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (no TVM there): install the carried apache-tvm-ffi wheel,
-# then check and time the bundles built here and carried in artifacts/.
+# One call on the GPU machine (no TVM there): install each carried apache-tvm-ffi wheel into its
+# own --target directory, then check and time the bundles built here and carried in artifacts/.
 #   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile tune   (default: all but tune)
+#   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
+#                              artifacts/bundle was built with, else the newest carried); tests runs under each
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
 #   BENCH_PROVIDERS            the bench stage's providers (default: ours,triton); BENCH_SLOW_ROWS the M
 #                              values at which torch_compile/torch_eager run (default: all)
@@ -11,29 +13,57 @@
 #   OVERHEAD_RUNS              how many times the overhead stage runs (default 1)
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz; $OUT/stages.log has the GPU's clocks and each
-# stage's start time. The device returns at most 8 files from $OUT: a call that runs this
+# stage's start time. The tests stage runs the gpu tests once per carried apache-tvm-ffi wheel,
+# into $OUT/tests-<version>.log each (three files with 0.1.11, 0.1.14.post1 and 0.1.15.post2).
+# The device returns at most 8 files from $OUT: a call that runs this
 # script several times (OUT=$OUT/a, OUT=$OUT/b) must stay within that, or files are dropped.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# The runtime takes a range of apache-tvm-ffi versions (pyproject.toml): each carried one goes into
+# /tmp/ffi-<version>, any other carried wheel into /tmp/site, which every run shares.
+FFI_VERSIONS=""
+for wheel in .whl/*.whl; do
+  name=$(basename "$wheel")
+  case $name in
+    apache_tvm_ffi-*) version=$(echo "$name" | cut -d- -f2); site=/tmp/ffi-$version; FFI_VERSIONS="$FFI_VERSIONS $version" ;;
+    *) site=/tmp/site ;;
+  esac
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheel" || exit 1
+done
+FFI_VERSIONS=$(printf '%s\n' $FFI_VERSIONS | sort -uV)
+[ -n "$FFI_VERSIONS" ] || { echo "no apache-tvm-ffi wheel in .whl/: carry at least one"; exit 1; }
 # The installed layout (schedules/ and codegen/ inside the package), without pip or network.
 PKG=/tmp/pkg-$$
 mkdir -p $PKG && cp -r tvm_rmsquant $PKG/ && cp -r schedules $PKG/tvm_rmsquant/schedules \
   && cp -r codegen $PKG/tvm_rmsquant/codegen || exit 1
-export PYTHONPATH=/tmp/site:$PKG  # and python3 -P: the checkout must not shadow it
 # No TVM there, on purpose: the tests that need the build toolchain skip instead of failing.
 export TVM_RMSQUANT_BUNDLE=$PWD/artifacts/bundle PYTHONUNBUFFERED=1 TVM_RMSQUANT_NO_TOOLCHAIN=1
+BUILT_WITH=$(python3 -P -c 'import json, sys; root = sys.argv[1]; live = open(root + "/CURRENT").read().strip()
+print(json.load(open(f"{root}/bundles/{live}/manifest.json"))["toolchain"]["apache-tvm-ffi"])' "$TVM_RMSQUANT_BUNDLE" 2>/dev/null)
+FFI_VERSION=${FFI_VERSION:-${BUILT_WITH:-$(echo "$FFI_VERSIONS" | tail -n 1)}}
+[ -d "/tmp/ffi-$FFI_VERSION" ] || { echo "FFI_VERSION=$FFI_VERSION: no such wheel carried in .whl/ (carried: $(echo $FFI_VERSIONS))"; exit 1; }
+SITES=/tmp/site:$PKG
+export PYTHONPATH=/tmp/ffi-$FFI_VERSION:$SITES  # and python3 -P: the checkout must not shadow it
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 RESULTS=$OUT
 STAGES=${STAGES:-tests overhead sanitize sweep bench compile}
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$RESULTS/stages.log"
+echo "apache-tvm-ffi carried: $(echo $FFI_VERSIONS); tests run under each, the other stages under $FFI_VERSION" | tee -a "$RESULTS/stages.log"
 for stage in $STAGES; do
   echo "$(date -u +%T) stage $stage" | tee -a "$RESULTS/stages.log"
   case $stage in
     tests)
-      python3 -P -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} > "$RESULTS/tests.log" 2>&1
-      status=$?; tail -n 25 "$RESULTS/tests.log" ;;
+      # Once per carried apache-tvm-ffi; each log starts with the version and the tvm_ffi it imported.
+      for version in $FFI_VERSIONS; do
+        log=$RESULTS/tests-$version.log
+        PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -c 'import importlib.metadata as m, tvm_ffi
+print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' > "$log" 2>&1
+        PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} \
+          >> "$log" 2>&1 || status=$?
+        grep -E "^(FAILED|ERROR) " "$log" | head -n 20 | sed "s/^/apache-tvm-ffi $version: /"
+        echo "tests under $(head -n 1 "$log"): $(tail -n 1 "$log")"
+      done ;;
     overhead)
       # OVERHEAD_RUNS independent runs (default 1): the host's speed drifts between runs.
       for run in $(seq "${OVERHEAD_RUNS:-1}"); do

@@ -312,7 +312,6 @@ def _copy_with_manifest(built, tmp_path, change):
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (lambda m: m["toolchain"].update({"apache-tvm-ffi": "0.1.15.post2"}), r"built against apache-tvm-ffi 0.1.15.post2, but 0.1.14.post1 is installed"),
         (lambda m: m.update(schema_version=99), r"schema_version=99, this package reads"),
         (lambda m: m["toolchain"].update(target_arch="sm_80"), r"targets 'sm_80', which this package cannot run"),
         (lambda m: next(iter(m["libraries"].values())).update(sha256="0" * 64), r"has sha256 .*the manifest says 000000000000"),

@@ -33,7 +33,8 @@ def _dummy(folder: Path, tag: str):
         path = folder / name
         path.write_text(f"{name} {tag}\n")
         files[name] = (path, sha256_file(path))
-    entry = lambda library, source: {"library": library, "sha256": files[library][1], "source": source, "source_sha256": files[source][1]}  # noqa: E731
+    entry = lambda library, source: {"library": library, "sha256": files[library][1], "source": source, "source_sha256": files[source][1],  # noqa: E731
+                                     "tvm_ffi_imports": []}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "toolchain": {"apache-tvm-ffi": metadata.version("apache-tvm-ffi"), "target_arch": TARGET_ARCH},
@@ -198,6 +199,10 @@ def _drop(*keys):
         (lambda root: shutil.copy(bundle_dir(root, read_current(root)) / "lib_a.so", root / "bundles") and  # a file outside the bundle
          _resign(root, _edited(root, lambda m: m["libraries"].update({"../lib_a.so": m["libraries"]["lib_a.so"]}))), r"'../lib_a.so', which is not a plain file name"),
         (lambda root: _resign(root, _edited(root, lambda m: m.update(candidates={"c": {}}))), r"\['candidates'\]\['c'\] has no 'library'"),
+        (lambda root: _resign(root, _edited(root, lambda m: m["torch_ops"].update(tvm_ffi_imports="TVMFFIBacktrace"))),
+         r"\['torch_ops'\]\['tvm_ffi_imports'\] is a JSON str, expected an array"),
+        (lambda root: _resign(root, _edited(root, lambda m: m["libraries"]["lib_a.so"].update(tvm_ffi_imports=[7]))),
+         r"\['lib_a.so'\]\['tvm_ffi_imports'\]\[0\]=7 is a JSON int, expected str"),
     ],
 )
 def test_a_damaged_bundle_is_a_bundle_error(live, damage, reason):
@@ -209,8 +214,8 @@ def test_a_damaged_bundle_is_a_bundle_error(live, damage, reason):
 @pytest.mark.parametrize(
     "keys",
     [("toolchain",), ("libraries",), ("torch_ops",), ("variants",), ("toolchain", "apache-tvm-ffi"), ("toolchain", "target_arch"),
-     *[("libraries", "lib_a.so", key) for key in ("sha256", "source", "source_sha256")],
-     *[("torch_ops", key) for key in ("library", "sha256", "source", "source_sha256", "torch_stable_target")],
+     *[("libraries", "lib_a.so", key) for key in ("sha256", "source", "source_sha256", "tvm_ffi_imports")],
+     *[("torch_ops", key) for key in ("library", "sha256", "source", "source_sha256", "torch_stable_target", "tvm_ffi_imports")],
      *[("variants", "v", key) for key in ("library", "symbol", "rule", "knobs")]],
 )
 def test_every_missing_manifest_key_is_a_bundle_error(live, keys):

@@ -42,20 +42,53 @@ def test_fused_add_updates_the_residual_in_place():
     assert r.data_ptr() == before and torch.equal(r, expected)
 
 
-def test_vllm_out_variant_writes_its_outputs():
-    """vLLM's drop-in: out, scales and the residual (updated in place) all against the reference."""
-    x, w, r = _inputs(rows=5)
+@pytest.mark.parametrize("rows, padded", [(5, 8), (5, 5), (1, 1), (8, 8)])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_vllm_out_variant_writes_its_outputs(rows, padded, ue8m0):
+    """vLLM's drop-in, called as vLLM calls it (by keyword): result, scale and the residual
+    (updated in place) all against the reference, with TMA-padded (1, round_up(M, 4)) and
+    vLLM's unpadded (1, M) column-major scales."""
+    x, w, r = _inputs(rows=rows)
     residual_before = r.clone()
-    out = torch.full((5, K), float("nan")).to(torch.float8_e4m3fn)
-    scales = torch.empty(K // 128, 8)[:, :5].t().fill_(float("nan"))
-    ops.rms_norm_per_block_quant(out, x, w, scales, 1e-6, None, r, 128, True)
-    spec = VariantSpec("bf16", K, 128, True, "col")
+    result = torch.full((rows, K), float("nan")).to(torch.float8_e4m3fn)
+    scale = torch.empty(K // 128, padded)[:, :rows].t().fill_(float("nan"))
+    ops.rms_norm_per_block_quant(
+        result=result, input=x, weight=w, scale=scale, epsilon=1e-6, scale_ub=None, residual=r, group_size=128,
+        is_scale_transposed=True, scale_ue8m0=ue8m0,
+    )
+    spec = VariantSpec("bf16", K, 128, True, "col", "ue8m0" if ue8m0 else "fp32")
     want_q, want_scales, want_residual = reference.rms_norm_group_quant(x, w, 1e-6, spec, residual_before)
-    assert scales.stride() == (1, 8)
-    assert torch.equal(scales, want_scales) and torch.equal(out.view(torch.uint8), want_q.view(torch.uint8))
+    assert scale.stride() == (1, padded)
+    assert torch.equal(scale, want_scales) and torch.equal(result.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(r, want_residual) and not torch.equal(r, residual_before)
-    with pytest.raises(ValueError, match="scales must be"):
-        ops.rms_norm_per_block_quant(out, x, w, torch.empty(5, 2), 1e-6, None, None, 128, True)
+
+
+def test_vllm_out_variant_has_vllms_arguments():
+    """vLLM 0.33's schema of _C.rms_norm_per_block_quant (the string its library registers),
+    argument by argument, then one trailing defaulted argument of our own."""
+    vllm = torch._C.parse_schema(
+        "rms_norm_per_block_quant(Tensor! result, Tensor input, Tensor weight, Tensor! scale, float epsilon, "
+        "Tensor? scale_ub, Tensor!? residual, int group_size, bool is_scale_transposed) -> ()"
+    )
+    ours = ops.rms_norm_per_block_quant.default._schema
+    def described(argument):
+        return argument.name, str(argument.type), argument.alias_info is not None and argument.alias_info.is_write
+    assert [described(a) for a in ours.arguments[: len(vllm.arguments)]] == [described(a) for a in vllm.arguments]
+    assert [(a.name, a.default_value) for a in ours.arguments[len(vllm.arguments):]] == [("scale_ue8m0", False)]
+
+
+def test_vllm_out_variant_refuses_scales_it_cannot_write():
+    x, w, r = _inputs(rows=5)
+    result = torch.empty(5, K, dtype=torch.float8_e4m3fn)
+    cases = [
+        (torch.empty(5, 2), True, r"column-major strides \(1, ld\) with ld >= M=5, such as \(1, 5\) or \(1, 8\)"),
+        (torch.empty(2, 4).t(), True, r"scale must be \(5, 2\)"),
+        (torch.empty(2, 5).t(), False, r"row-major strides \(2, 1\)"),
+        (torch.empty(2, 5, dtype=torch.float64).t(), True, "scale must be"),
+    ]
+    for scale, transposed, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ops.rms_norm_per_block_quant(result, x, w, scale, 1e-6, None, None, 128, transposed)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +105,7 @@ def test_opcheck(op, args):
         # torch's schema checker compares a mutated tensor with allclose, which fp8 lacks;
         # the mutation annotations it would verify are checked directly below instead.
         writes = {arg.name for arg in op.default._schema.arguments if arg.alias_info is not None and arg.alias_info.is_write}
-        assert writes == {"out", "scales", "residual"}
+        assert writes == {"result", "scale", "residual"}
         torch.library.opcheck(op, args(*_inputs()), test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     else:
         torch.library.opcheck(op, args(*_inputs()))

@@ -159,11 +159,11 @@ def test_out_variant_refuses_wrong_buffers(device):
     good_out = torch.empty(8, K, dtype=torch.float8_e4m3fn, device=device)
     good_scales = reference.empty_scales(PLAIN, 8, K, device)
     cases = [
-        (torch.empty(8, K, dtype=torch.uint8, device=device), good_scales, True, "out must be a contiguous"),
-        (torch.empty(4, K, dtype=torch.float8_e4m3fn, device=device), good_scales, True, r"out must be .*\(8, 4096\)"),
-        (good_out, torch.empty(8, 32, device=device), True, r"scales must be \(8, 32\) float32 with strides \(1, 8\)"),
-        (good_out, good_scales.double(), True, "scales must be"),
-        (good_out, torch.empty(8, 16, device=device), False, r"scales must be \(8, 32\)"),
+        (torch.empty(8, K, dtype=torch.uint8, device=device), good_scales, True, "result must be a contiguous"),
+        (torch.empty(4, K, dtype=torch.float8_e4m3fn, device=device), good_scales, True, r"result must be .*\(8, 4096\)"),
+        (good_out, torch.empty(8, 32, device=device), True, r"scale must be \(8, 32\) float32 on \S+ with column-major strides \(1, ld\) with ld >= M=8"),
+        (good_out, good_scales.double(), True, "scale must be"),
+        (good_out, torch.empty(8, 16, device=device), False, r"scale must be \(8, 32\)"),
     ]
     for out, scales, transposed, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -171,6 +171,29 @@ def test_out_variant_refuses_wrong_buffers(device):
     ops.rms_norm_per_block_quant(good_out, x, w, good_scales, 1e-6, None, None, 128, True)
     want = reference.rms_norm_group_quant(x.cpu(), w.cpu(), 1e-6, PLAIN)
     assert compare(PLAIN, (good_out, good_scales, None), want, K).passed
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("rows", [5, 3, 1])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_out_variant_writes_vllms_unpadded_scales(device, rows, ue8m0):
+    """vLLM's keyword call with its (1, M) scales at M % 4 != 0 and a residual: the kernel
+    reads ld from the tensor and writes nothing past row M (the rest of the buffer keeps its
+    sentinel)."""
+    spec = VariantSpec("bf16", K, 128, True, "col", "ue8m0" if ue8m0 else "fp32")
+    inputs = _inputs(spec, rows, device)
+    x, w, r = inputs["x"], inputs["weight"], inputs["residual"]
+    before = r.clone()
+    result = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=device)
+    storage = torch.full((K // 128, rows + 1), -7.0, device=device)
+    scale = storage[:, :rows].t()
+    ops.rms_norm_per_block_quant(
+        result=result, input=x, weight=w, scale=scale, epsilon=1e-6, scale_ub=None, residual=r, group_size=128,
+        is_scale_transposed=True, scale_ue8m0=ue8m0,
+    )
+    assert scale.stride() == (1, rows + 1) and (storage[:, rows] == -7.0).all()
+    want = reference.rms_norm_group_quant(x.cpu(), w.cpu(), 1e-6, spec, before.cpu())
+    assert compare(spec, (result, scale, r), want, K).passed
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -341,7 +364,7 @@ def test_a_tensor_on_another_device_than_x_is_refused_even_on_meta():
         ("residual", lambda: ops.add_rms_norm_group_quant(x, torch.empty_like(r, **meta), w, 1e-6, RESIDUAL.name)),
         ("weight", lambda: tvm_rmsquant.rms_norm_group_quant(x, torch.empty_like(w, **meta), scale_layout="col")),
         ("scale_ub", lambda: tvm_rmsquant.rms_norm_group_quant(x, w, scale_ub=torch.ones(1, **meta))),
-        ("scales", lambda: ops.rms_norm_per_block_quant(torch.empty(4, K, dtype=torch.float8_e4m3fn), x, w,
+        ("scale", lambda: ops.rms_norm_per_block_quant(torch.empty(4, K, dtype=torch.float8_e4m3fn), x, w,
                                                         reference.empty_scales(PLAIN, 4, K, "meta"), 1e-6, None, None, 128, True)),
     ]
     for name, call in cases:

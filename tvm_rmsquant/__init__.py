@@ -12,4 +12,13 @@ from . import ops  # noqa: E402  (registers torch.ops.tvm_rmsquant.*)
 from .api import rms_norm_group_quant  # noqa: E402
 from .dispatch import BoundKernel, select  # noqa: E402
 
-__all__ = ["Bundle", "BoundKernel", "BundleError", "VariantSpec", "open_bundle", "ops", "rms_norm_group_quant", "select", "__version__"]
+
+def vllm_post_pass(graph) -> None:
+    """vLLM's post-grad pass (``tvm_rmsquant.vllm``), under the one name vLLM 0.33 resolves:
+    a top-level attribute of a package, named in ``CompilationConfig.inductor_passes``.
+    Imported on first call, so that the runtime needs no vLLM."""
+    from .vllm import post_pass
+
+    post_pass(graph)
+
+__all__ = ["Bundle", "BoundKernel", "BundleError", "VariantSpec", "open_bundle", "ops", "rms_norm_group_quant", "select", "vllm_post_pass", "__version__"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import threading
-from importlib import metadata
 from pathlib import Path
 from typing import Dict, Optional
 
-from .bundle_format import CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, manifest_digest, read_current, sha256_file
+from .bundle_format import (CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, dynamic_symbols, installed_libtvm_ffi,
+                            manifest_digest, read_current, sha256_file)
 from .spec import VariantSpec
 
 ENV_VAR = "TVM_RMSQUANT_BUNDLE"
@@ -24,13 +24,14 @@ ARCH_CAPABILITY = {"sm_90a": (9, 0)}
 
 
 class BundleError(RuntimeError):
-    """A bundle is missing, corrupted, or was built for another toolchain or GPU."""
+    """A bundle is missing, corrupted, needs what the installed tvm-ffi lacks, or was built for another GPU."""
 
 
 #: What a manifest must hold, and of which type, for this package to read it (a tuple: an object
-#: of any keys whose values have the inner form). Checked at open, so that a bad manifest is a
-#: BundleError there, which select() falls back on, never a KeyError or TypeError at first use.
-_FILE = {"sha256": str, "source": str, "source_sha256": str}
+#: of any keys whose values have the inner form; a list: an array whose items have it). Checked at
+#: open, so that a bad manifest is a BundleError there, which select() falls back on, never a
+#: KeyError or TypeError at first use.
+_FILE = {"sha256": str, "source": str, "source_sha256": str, "tvm_ffi_imports": [str]}
 _KERNEL = {"library": str, "symbol": str, "rule": str, "knobs": dict}
 _MANIFEST = {
     "toolchain": {"apache-tvm-ffi": str, "target_arch": str},
@@ -44,7 +45,12 @@ _CANDIDATES = ({**_KERNEL, "spec": dict, "kernel_digest": str, "ptxas": dict},)
 def _check_form(value, form, where: str) -> None:
     if isinstance(form, (dict, tuple)) and not isinstance(value, dict):
         raise BundleError(f"{where} is a JSON {type(value).__name__}, expected an object; rebuild the bundle")
-    if isinstance(form, tuple):
+    if isinstance(form, list) and not isinstance(value, list):
+        raise BundleError(f"{where} is a JSON {type(value).__name__}, expected an array; rebuild the bundle")
+    if isinstance(form, list):
+        for index, inner in enumerate(value):
+            _check_form(inner, form[0], f"{where}[{index}]")
+    elif isinstance(form, tuple):
         for key, inner in value.items():
             _check_form(inner, form[0], f"{where}[{key!r}]")
     elif isinstance(form, dict):
@@ -120,13 +126,6 @@ class Bundle:
             )
         _check_form(manifest, _MANIFEST, where)
         _check_form(manifest.get("candidates", {}), _CANDIDATES, f"{where}['candidates']")
-        built_ffi = manifest["toolchain"]["apache-tvm-ffi"]
-        installed_ffi = metadata.version("apache-tvm-ffi")
-        if built_ffi != installed_ffi:
-            raise BundleError(
-                f"bundle was built against apache-tvm-ffi {built_ffi}, but {installed_ffi} is installed; "
-                f"install apache-tvm-ffi=={built_ffi} or rebuild the bundle"
-            )
         if manifest["toolchain"]["target_arch"] not in ARCH_CAPABILITY:
             raise BundleError(f"bundle targets {manifest['toolchain']['target_arch']!r}, which this package cannot run")
         self._hashes = {}
@@ -140,6 +139,7 @@ class Bundle:
                 raise BundleError(f"{where}: kernel {entry['symbol']!r} is in library {entry['library']!r}, which the manifest does not list")
         for name in self._hashes:
             self.verified_path(name)
+        self.check_tvm_ffi(installed_libtvm_ffi())
 
     def verified_path(self, name: str) -> Path:
         """The bundle's file ``name`` after hashing it again. Libraries load lazily, and one
@@ -180,6 +180,25 @@ class Bundle:
             raise BundleError(
                 f"bundle is built for {self.target_arch} (compute capability {wanted[0]}.{wanted[1]}), "
                 f"the device has {capability[0]}.{capability[1]}"
+            )
+
+    def check_tvm_ffi(self, libtvm_ffi) -> None:
+        """Refuse the bundle unless the ``libtvm_ffi.so`` at ``libtvm_ffi`` (at open: the installed
+        one) exports every function its libraries import. That, not the apache-tvm-ffi version
+        the bundle was built with, is what breaks: tvm-ffi loads libraries lazily, and a missing
+        one kills the process at its first call (the evidence: ``bundle_format``'s docstring)."""
+        try:
+            exported = dynamic_symbols(libtvm_ffi)[0]
+        except (OSError, ValueError) as error:
+            raise BundleError(f"cannot read the symbols of libtvm_ffi {libtvm_ffi} ({error}); reinstall apache-tvm-ffi") from None
+        entries = {**self.manifest["libraries"], self.manifest["torch_ops"]["library"]: self.manifest["torch_ops"]}
+        missing = {name: sorted(set(entry["tvm_ffi_imports"]) - exported) for name, entry in sorted(entries.items())}
+        needs = "; ".join(f"{name} imports {', '.join(symbols)}" for name, symbols in missing.items() if symbols)
+        if needs:
+            built = self.manifest["toolchain"]["apache-tvm-ffi"]
+            raise BundleError(
+                f"bundle {self.path}: {needs}, which {libtvm_ffi} does not export; "
+                f"install apache-tvm-ffi=={built}, the version the bundle was built with"
             )
 
     @property

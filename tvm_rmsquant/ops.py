@@ -26,7 +26,7 @@ import torch
 
 from . import cpu, launch, native, reference
 from .loader import open_bundle
-from .spec import TMA_ALIGN_ROWS, VariantSpec, check_eps
+from .spec import TMA_ALIGN_ROWS, VariantSpec, check_eps, scale_strides_refusal
 
 FP8 = torch.float8_e4m3fn
 
@@ -42,10 +42,13 @@ _library.define(
     "add_rms_norm_group_quant(Tensor x, Tensor residual, Tensor weight, float eps, str variant, "
     "Tensor? scale_ub=None) -> (Tensor, Tensor, Tensor)"
 )
-# vLLM's signature, so that vLLM could swap this kernel in.
+# vLLM 0.33's ``_C.rms_norm_per_block_quant``: its argument names, types, order and
+# mutations (vLLM calls it by keyword: result=, scale=), so that a vLLM graph node can be
+# retargeted here as is. One trailing argument with a default, scale_ue8m0, asks for the
+# UE8M0 scales that vLLM's kernel cannot write (vLLM issue #50773).
 _library.define(
-    "rms_norm_per_block_quant(Tensor(a!) out, Tensor input, Tensor weight, Tensor(b!) scales, float epsilon, "
-    "Tensor? scale_ub, Tensor(c!)? residual, int group_size, bool is_scale_transposed) -> ()"
+    "rms_norm_per_block_quant(Tensor(a!) result, Tensor input, Tensor weight, Tensor(b!) scale, float epsilon, "
+    "Tensor? scale_ub, Tensor(c!)? residual, int group_size, bool is_scale_transposed, bool scale_ue8m0=False) -> ()"
 )
 
 _BUNDLES = {}
@@ -281,35 +284,38 @@ def _add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _per_block_variant(dtype: torch.dtype, hidden: int, group_size: int, residual: bool, col: bool, scale_ub: bool, device_type: str) -> str:
+def _per_block_variant(dtype: torch.dtype, hidden: int, group_size: int, residual: bool, col: bool, ue8m0: bool, scale_ub: bool, device_type: str) -> str:
     """vLLM's arguments -> our variant: the static-K kernel where the bundle has it, else dynamic-K."""
     if dtype not in reference.DTYPE_NAMES:
         raise TypeError(f"input.dtype={dtype} is not supported; accepted: {sorted(map(str, reference.DTYPE_NAMES))}")
-    spec = VariantSpec(reference.DTYPE_NAMES[dtype], None, group_size, residual, "col" if col else "row", scale_ub=scale_ub)
+    layout, fmt = "col" if col else "row", "ue8m0" if ue8m0 else "fp32"
+    spec = VariantSpec(reference.DTYPE_NAMES[dtype], None, group_size, residual, layout, fmt, scale_ub=scale_ub)
     static = spec.with_hidden(hidden)
     return static.name if static.name in _BUNDLES or device_type != "cuda" else spec.name
 
 
-def _rms_norm_per_block_quant(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed):
+def _rms_norm_per_block_quant(result, input, weight, scale, epsilon, scale_ub, residual, group_size, is_scale_transposed, scale_ue8m0=False):
     if input.dim() != 2:
         raise ValueError(f"input must be 2-D [M, K], got shape {tuple(input.shape)}")
-    variant = _per_block_variant(input.dtype, input.shape[1], group_size, residual is not None, is_scale_transposed, scale_ub is not None, input.device.type)
+    variant = _per_block_variant(
+        input.dtype, input.shape[1], group_size, residual is not None, is_scale_transposed, scale_ue8m0, scale_ub is not None, input.device.type
+    )
     spec = spec_of(variant)
     check_arguments(spec, input, weight, residual, scale_ub)
-    expected = reference.empty_scales(spec, input.shape[0], input.shape[1], "meta")
-    # M = 0: nothing is written, and an empty tensor's strides are whatever made it (.t() gives (1, 1)).
-    strides_match = input.shape[0] == 0 or scales.stride() == expected.stride()
-    if out.shape != input.shape or out.dtype != FP8 or not out.is_contiguous() or out.device != input.device:
+    rows, hidden = input.shape
+    if result.shape != input.shape or result.dtype != FP8 or not result.is_contiguous() or result.device != input.device:
         raise ValueError(
-            f"out must be a contiguous {tuple(input.shape)} float8_e4m3fn tensor on {input.device}, "
-            f"got {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}"
+            f"result must be a contiguous {tuple(input.shape)} float8_e4m3fn tensor on {input.device}, "
+            f"got {tuple(result.shape)} {result.dtype} strides {result.stride()} on {result.device}"
         )
-    if scales.shape != expected.shape or not strides_match or scales.dtype != torch.float32 or scales.device != input.device:
+    shape = (rows, hidden // group_size)
+    refusal = None if scale.dim() != 2 else scale_strides_refusal(spec.layout, shape, scale.stride())
+    if tuple(scale.shape) != shape or refusal is not None or scale.dtype != torch.float32 or scale.device != input.device:
         raise ValueError(
-            f"scales must be {tuple(expected.shape)} float32 with strides {expected.stride()} on {input.device} "
-            f"(is_scale_transposed={is_scale_transposed}), got {tuple(scales.shape)} {scales.dtype} strides {scales.stride()} on {scales.device}"
+            f"scale must be {shape} float32 on {input.device} with {refusal or scale_strides_refusal(spec.layout, shape, (0, 0)) or 'any strides'} "
+            f"(is_scale_transposed={is_scale_transposed}), got {tuple(scale.shape)} {scale.dtype} strides {scale.stride()} on {scale.device}"
         )
-    _kernel_of(variant, input)(input, weight, epsilon, out, scales, residual, scale_ub)
+    _kernel_of(variant, input)(input, weight, epsilon, result, scale, residual, scale_ub)
 
 
 for _name, _function in (
@@ -332,12 +338,12 @@ def _autograd_fused_add(x, residual, weight, eps, variant, scale_ub=None):
         return fused_add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub)
 
 
-def _autograd_per_block(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed):
-    for name, tensor in (("out", out), ("scales", scales), ("residual", residual)):
+def _autograd_per_block(result, input, weight, scale, epsilon, scale_ub, residual, group_size, is_scale_transposed, scale_ue8m0=False):
+    for name, tensor in (("result", result), ("scale", scale), ("residual", residual)):
         if tensor is not None:
             check_mutable(name, tensor)
     with torch._C._AutoDispatchBelowAutograd():
-        return rms_norm_per_block_quant(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed)
+        return rms_norm_per_block_quant(result, input, weight, scale, epsilon, scale_ub, residual, group_size, is_scale_transposed, scale_ue8m0)
 
 
 _library.impl("fused_add_rms_norm_group_quant", _autograd_fused_add, "Autograd")
@@ -360,8 +366,8 @@ def _fake_add(x, residual, weight, eps, variant, scale_ub=None):
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rms_norm_per_block_quant")
-def _fake_out(out, input, weight, scales, epsilon, scale_ub, residual, group_size, is_scale_transposed):
-    _check_devices(input, out=out, weight=weight, scales=scales, scale_ub=scale_ub, residual=residual)
+def _fake_out(result, input, weight, scale, epsilon, scale_ub, residual, group_size, is_scale_transposed, scale_ue8m0=False):
+    _check_devices(input, result=result, weight=weight, scale=scale, scale_ub=scale_ub, residual=residual)
 
 
 rms_norm_group_quant = torch.ops.tvm_rmsquant.rms_norm_group_quant

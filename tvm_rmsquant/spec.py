@@ -197,3 +197,27 @@ def scale_geometry(spec: VariantSpec, rows: int, hidden: Optional[int] = None):
         return (rows, cols), (cols, 1), rows, dtype
     padded = round_up(rows, TMA_ALIGN_ROWS)
     return (rows, cols), (1, padded), padded, dtype
+
+
+def scale_strides_refusal(layout: str, shape, strides) -> Optional[str]:
+    """None when the kernels can write a scale tensor of logical ``shape`` [M, C] and
+    ``strides`` in ``layout``; else the strides they take.
+
+    ``row``: contiguous. ``col``: (1, ld) with any ld >= M. The kernels read ld from the
+    tensor, so TMA's round_up(M, 4) (``scale_geometry``'s allocation, what DeepGEMM and
+    cuBLAS read) and vLLM's unpadded (1, M) (what its fusion pass allocates when M % 4 != 0,
+    and all torch 2.11's BlockWise1x128 ``scaled_mm`` takes) both work. With M = 0 nothing
+    is written and any strides do. Strides are checked even where a dimension has size 1:
+    the kernels' argument binder checks them (the col buffer is declared (1, ld)).
+    """
+    rows, cols = shape
+    if rows == 0:
+        return None
+    if layout == "row":
+        if tuple(strides) == (cols, 1):
+            return None
+        return f"row-major strides ({cols}, 1)"
+    if strides[0] == 1 and strides[1] >= rows:
+        return None
+    examples = sorted({rows, round_up(rows, TMA_ALIGN_ROWS)})
+    return f"column-major strides (1, ld) with ld >= M={rows}, such as " + " or ".join(f"(1, {ld})" for ld in examples)
