@@ -3,8 +3,9 @@
 A pipeline of plain steps:
 
     plan        spec -> its schedules (rule, knobs; one per M bucket when tuned), grouped into libraries
-    lower       library -> CUDA C++ source        cached on the inputs' content
-    compile     source -> .so + ptxas figures     cached on the source and toolchain
+    lower       library -> CUDA C++ source        cached on the inputs' content and the archs
+    compile     source -> .so + ptxas figures     cached on the source, toolchain and archs (one
+                                                  nvcc call, SASS for every arch of the build)
     torch ops   torch_ops.cpp -> torch_ops.so     cached on the source, toolchain and torch
     publish     stage a bundle, then switch ``CURRENT`` to it atomically
 
@@ -40,10 +41,10 @@ from tvm_rmsquant.bundle_format import (CURRENT_FILE, LOCK_FILE, MANIFEST_FILE, 
 from tvm_rmsquant.loader import BundleError
 from tvm_rmsquant.schedules import default_schedule
 from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant.target import DEFAULT_ARCHS, targets
 
 from . import nvcc as nvcc_step
 
-TARGET_ARCH = "sm_90a"
 #: The allocating ops' C++ implementation, built against torch's stable ABI into every bundle.
 TORCH_OPS_SOURCE = Path(__file__).with_name("torch_ops.cpp")
 TORCH_OPS_LIBRARY = "torch_ops.so"
@@ -127,10 +128,12 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def toolchain() -> Dict[str, str]:
-    """Versions that a library depends on; recorded in the manifest and in cache keys."""
+def toolchain(archs: Sequence[str] = DEFAULT_ARCHS) -> Dict:
+    """Versions that a library depends on, and the archs it holds SASS for; recorded in the
+    manifest and in cache keys."""
     from importlib import metadata
 
+    targets(archs)  # refuse an unknown arch before any work
     nvcc = nvcc_step.find_nvcc()
     return {
         "package": __version__,
@@ -138,7 +141,7 @@ def toolchain() -> Dict[str, str]:
         "apache-tvm-ffi": metadata.version("apache-tvm-ffi"),
         "nvcc": nvcc_step.nvcc_version(nvcc),
         "nvcc_path": nvcc,
-        "target_arch": TARGET_ARCH,
+        "target_archs": list(archs),
     }
 
 
@@ -180,12 +183,15 @@ def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], fingerpr
         "code": fingerprint,
         "tvm": tools["apache-tvm"],
         "tvm_ffi": tools["apache-tvm-ffi"],
+        "archs": tools["target_archs"],
     }
     return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
 
 
-def compile_key(source_sha: str, tools: Dict[str, str], flags=nvcc_step.NVCC_FLAGS, **more: str) -> str:
-    """The compile cache's key of one source; ``more`` names what else the library depends on."""
+def compile_key(source_sha: str, tools: Dict, flags: Sequence[str], **more: str) -> str:
+    """The compile cache's key of one source; ``flags`` are nvcc's (a kernel library's hold one
+    ``-gencode`` per arch, so a one-arch entry is never reused for a two-arch library);
+    ``more`` names what else the library depends on."""
     payload = {"source": source_sha, "nvcc": tools["nvcc"], "flags": flags, "tvm_ffi": tools["apache-tvm-ffi"], **more}
     return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
 
@@ -253,11 +259,11 @@ def _store(artifact: Path, make: Callable[[Path], Optional[Dict]]) -> Dict:
     return record
 
 
-def _lower_library(variants: List[PlannedVariant]) -> str:
+def _lower_library(variants: List[PlannedVariant], archs: Sequence[str]) -> str:
     """Worker entry point: lower one library (imports TVM in the worker)."""
     from tvm_rmsquant.codegen import lower
 
-    return lower.cuda_source([variant.as_lowering_input() for variant in variants])
+    return lower.cuda_source([variant.as_lowering_input() for variant in variants], archs)
 
 
 # -- build ------------------------------------------------------------------------------------
@@ -285,9 +291,10 @@ def build(
     tuned=None,
     progress: Optional[Callable[[str, int], None]] = None,
     extra: Optional[Dict] = None,
+    archs: Sequence[str] = DEFAULT_ARCHS,
 ) -> BuildReport:
-    """Build ``specs`` into the bundle directory ``out_dir``; see the module docstring."""
-    return build_libraries(plan(specs, choose, tuned), out_dir, jobs, cache_dir, progress, extra)
+    """Build ``specs`` into the bundle directory ``out_dir`` with SASS for ``archs``; see the module docstring."""
+    return build_libraries(plan(specs, choose, tuned), out_dir, jobs, cache_dir, progress, extra, archs)
 
 
 def build_libraries(
@@ -297,12 +304,13 @@ def build_libraries(
     cache_dir: Optional[Path] = None,
     progress: Optional[Callable[[str, int], None]] = None,
     extra: Optional[Dict] = None,
+    archs: Sequence[str] = DEFAULT_ARCHS,
 ) -> BuildReport:
-    """Lower, compile and publish planned libraries; ``extra`` goes into the manifest as is."""
+    """Lower, compile and publish planned libraries for ``archs``; ``extra`` goes into the manifest as is."""
     started = time.time()
     out_dir, cache_dir = Path(out_dir), Path(cache_dir or default_cache_dir())
     tick = progress or (lambda stage, count: None)
-    tools = toolchain()
+    tools = toolchain(archs)
     fingerprint = code_fingerprint()
 
     sources: Dict[str, Tuple[Path, str]] = {}
@@ -318,7 +326,7 @@ def build_libraries(
     if to_lower:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(to_lower))), mp_context=context) as pool:
-            futures = {pool.submit(_lower_library, variants): name for name, (_, variants) in to_lower.items()}
+            futures = {pool.submit(_lower_library, variants, tools["target_archs"]): name for name, (_, variants) in to_lower.items()}
             for future in concurrent.futures.as_completed(futures):
                 name = futures[future]
                 cached, variants = to_lower[name]
@@ -330,7 +338,7 @@ def build_libraries(
     objects: Dict[str, Tuple[Path, Dict]] = {}
     to_compile = {}
     for name, (source, source_sha) in sources.items():
-        library = cache_dir / "compiled" / f"{compile_key(source_sha, tools)}.so"
+        library = cache_dir / "compiled" / f"{compile_key(source_sha, tools, nvcc_step.kernel_flags(archs))}.so"
         record = _cached(library)
         if record is not None:
             objects[name] = (library, record)
@@ -340,7 +348,7 @@ def build_libraries(
 
     def compile_one(name: str):
         source, library = to_compile[name]
-        return name, library, _store(library, lambda staged: {"ptxas": nvcc_step.compile_library(tools["nvcc_path"], source, staged)})
+        return name, library, _store(library, lambda staged: {"ptxas": nvcc_step.compile_library(tools["nvcc_path"], source, staged, archs)})
 
     if to_compile:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -366,9 +374,11 @@ def build_libraries(
     )
 
 
-def build_torch_ops(cache_dir: Path, tools: Dict[str, str], ffi_exports) -> Tuple[Path, Dict]:
+def build_torch_ops(cache_dir: Path, tools: Dict, ffi_exports) -> Tuple[Path, Dict]:
     """torch_ops.so from the compile cache or nvcc, and its manifest entry (``ffi_exports``: what
-    the libtvm_ffi.so it links against exports, to record what it imports of it)."""
+    the libtvm_ffi.so it links against exports, to record what it imports of it). Host code
+    only (torch_ops.cpp has no ``__global__``: it calls the kernel libraries' entry points), so
+    it holds no SASS and is the same library for every arch list."""
     import torch
 
     source_sha = sha256_file(TORCH_OPS_SOURCE)

@@ -1,8 +1,9 @@
 """Lowering: (spec, rule, knobs) -> scheduled TIR -> one CUDA C++ translation unit.
 
-Plain functions, one step each. The CUDA target is sm_90 with the ``cuda_host`` host,
-so ``export_cuda_host`` yields device kernels plus tvm-ffi host wrappers that nvcc
-turns into a library needing only libtvm_ffi and libcudart.
+Plain functions, one step each. The CUDA target is the build's oldest arch (``target``)
+with the ``cuda_host`` host, so ``export_cuda_host`` yields device kernels plus tvm-ffi
+host wrappers that nvcc turns into a library needing only libtvm_ffi and libcudart, with
+SASS for each of the build's archs. One source serves them all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tvm
 from tvm_rmsquant import expr, launch
 from tvm_rmsquant.schedules import rule_by_name
 from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant.target import targets
 
 #: The C++ helper behind every variant's public entry point (takes [M, K] tensors).
 ROW_VIEWS = Path(__file__).with_name("row_views.cuh")
@@ -27,8 +29,10 @@ ROW_VIEWS = Path(__file__).with_name("row_views.cuh")
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 
-def cuda_target():
-    return tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "cuda_host"})
+def cuda_target(archs: Sequence[str]):
+    """TVM's target for a library built for ``archs``: the oldest of them."""
+    oldest = min(targets(archs), key=lambda target: target.capability)
+    return tvm.target.Target({"kind": "cuda", "arch": oldest.tvm_arch}, host={"kind": "cuda_host"})
 
 
 def _scheduled(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]):
@@ -95,13 +99,13 @@ extern "C" TVM_DLL int32_t __tvm_ffi_{symbol}(void* self, void* args, int32_t nu
 """
 
 
-def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, Optional[int]]]) -> str:
-    """One translation unit: each (spec, rule, knobs, symbol, max_rows)'s kernel, host wrapper and
-    entry point. A spec's entry point with max_rows None also runs its M buckets' kernels."""
+def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, Optional[int]]], archs: Sequence[str]) -> str:
+    """One translation unit for ``archs``: each (spec, rule, knobs, symbol, max_rows)'s kernel, host
+    wrapper and entry point. A spec's entry point with max_rows None also runs its M buckets' kernels."""
     variants = list(variants)
     funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol) for spec, rule, knobs, symbol, _ in variants}
     with tvm.transform.PassContext(config=PASS_CONFIG):
-        built = tvm.compile(tvm.IRModule(funcs), target=cuda_target())
+        built = tvm.compile(tvm.IRModule(funcs), target=cuda_target(archs))
     kernels = tvm.backend.cuda.export_cuda_host(built.mod)
     for spec, rule, knobs, symbol, _ in variants:
         blocks = rule_by_name(rule).min_blocks_per_sm(knobs)

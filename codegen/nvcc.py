@@ -12,13 +12,13 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 from tvm_rmsquant.bundle_format import installed_libtvm_ffi
+from tvm_rmsquant.target import targets
 
-GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 #: No --use_fast_math: it makes y / s an approximate division and breaks the contract.
-NVCC_FLAGS = ["-shared", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", GENCODE, "-Xptxas", "-v"]
+NVCC_FLAGS = ["-shared", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xptxas", "-v"]
 
 
 #: The oldest torch whose stable ABI has what torch_ops.cpp uses (str arguments, torch_call_dispatcher).
@@ -44,7 +44,7 @@ def find_nvcc() -> str:
             return candidate
     raise NvccError(
         "nvcc not found: set NVCC=/path/to/nvcc, put it on PATH, or set CUDA_HOME "
-        "(the build is tested with CUDA 13.0; sm_90a needs CUDA 12 or later)"
+        "(the build is tested with CUDA 13.0; its default archs need CUDA 12.8 or later)"
     )
 
 
@@ -75,10 +75,15 @@ def ffi_paths() -> Dict[str, str]:
     }
 
 
-def compile_command(nvcc: str, source: Path, library: Path) -> List[str]:
+def kernel_flags(archs: Sequence[str]) -> List[str]:
+    """NVCC_FLAGS and one ``-gencode`` per arch: one call embeds every arch's SASS in the library."""
+    return [*NVCC_FLAGS, *(target.gencode for target in targets(archs))]
+
+
+def compile_command(nvcc: str, source: Path, library: Path, archs: Sequence[str]) -> List[str]:
     paths = ffi_paths()
     return [
-        nvcc, *NVCC_FLAGS,
+        nvcc, *kernel_flags(archs),
         f"-I{paths['include']}", f"-I{paths['dlpack']}",
         "-o", str(library), str(source),
         f"-L{paths['libdir']}", "-ltvm_ffi", "-lcudart",
@@ -108,18 +113,18 @@ def compile_torch_ops(nvcc: str, source: Path, library: Path) -> None:
     _run(torch_ops_command(nvcc, source, library), source)
 
 
-_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USAGE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
-def parse_ptxas(log: str) -> Dict[str, Dict[str, int]]:
-    """Per kernel: registers, spill stores/loads, stack frame and shared memory bytes."""
-    kernels: Dict[str, Dict[str, int]] = {}
+def parse_ptxas(log: str) -> Dict[str, Dict[str, Dict[str, int]]]:
+    """Per kernel, per arch: registers, spill stores/loads, stack frame and shared memory bytes."""
+    kernels: Dict[str, Dict[str, Dict[str, int]]] = {}
     current = None
     for line in log.splitlines():
         if match := _ENTRY.search(line):
-            current = kernels.setdefault(match.group(1), {})
+            current = kernels.setdefault(match.group(1), {}).setdefault(match.group(2), {})
         elif current is not None and (match := _FRAME.search(line)):
             current.update(stack=int(match.group(1)), spill_stores=int(match.group(2)), spill_loads=int(match.group(3)))
         elif current is not None and (match := _USAGE.search(line)):
@@ -127,9 +132,9 @@ def parse_ptxas(log: str) -> Dict[str, Dict[str, int]]:
     return kernels
 
 
-def compile_library(nvcc: str, source: Path, library: Path) -> Dict[str, Dict[str, int]]:
-    """Compile ``source`` into ``library``; returns the ptxas figures per kernel."""
-    return parse_ptxas(_run(compile_command(nvcc, source, library), source))
+def compile_library(nvcc: str, source: Path, library: Path, archs: Sequence[str]) -> Dict[str, Dict[str, Dict[str, int]]]:
+    """Compile ``source`` into ``library`` with SASS for each of ``archs``; returns the ptxas figures per kernel and arch."""
+    return parse_ptxas(_run(compile_command(nvcc, source, library, archs), source))
 
 
 def _run(command: List[str], source: Path) -> str:

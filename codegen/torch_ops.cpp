@@ -47,7 +47,7 @@ struct Variant {
   bool packed;    // UE8M0 packed four groups to an int32
   bool residual;  // takes a residual (x, residual, weight, ...)
   bool scale_ub;  // takes a one-element scale_ub tensor
-  int major, minor;  // the compute capability the machine code runs on
+  std::string capabilities;  // the compute capabilities the machine code runs on, as "9.0,10.0"
 };
 
 constexpr int64_t kTmaAlignRows = 4;
@@ -57,9 +57,9 @@ std::mutex registry_mutex;
 std::unordered_map<std::string, std::shared_ptr<const Variant>> registry;
 
 int64_t register_variant(tvm::ffi::String name, tvm::ffi::Function entry, int64_t group, bool col, bool packed,
-                         bool residual, bool scale_ub, int64_t major, int64_t minor) {
+                         bool residual, bool scale_ub, tvm::ffi::String capabilities) {
   auto variant = std::make_shared<const Variant>(
-      Variant{std::move(entry), group, col, packed, residual, scale_ub, int(major), int(minor)});
+      Variant{std::move(entry), group, col, packed, residual, scale_ub, std::string(capabilities)});
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry[std::string(name)] = std::move(variant);
   return int64_t(registry.size());
@@ -184,10 +184,10 @@ void check_capability(const Variant& variant, int32_t device_index) {
     }
     known = major * 10 + minor;
   }
-  if (known != variant.major * 10 + variant.minor) {
-    throw std::invalid_argument("the bundle's kernels are built for compute capability " + std::to_string(variant.major) + "." +
-                                std::to_string(variant.minor) + ", cuda:" + std::to_string(device_index) + " has " +
-                                std::to_string(known / 10) + "." + std::to_string(known % 10));
+  const std::string device = std::to_string(known / 10) + "." + std::to_string(known % 10);
+  if (("," + variant.capabilities + ",").find("," + device + ",") == std::string::npos) {
+    throw std::invalid_argument("the bundle's kernels are built for compute capability " + variant.capabilities + ", cuda:" +
+                                std::to_string(device_index) + " has " + device);
   }
 }
 

@@ -18,13 +18,15 @@ import random
 from typing import Dict, Iterator, List, Optional
 
 from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant.target import TARGETS, threads_per_sm
 
 Knobs = Dict[str, int]
 
 #: Values of the ``min_blocks_per_sm`` knob (0: no hint); 1 would equal no hint.
 MIN_BLOCKS_PER_SM = [0, 2, 4, 8, 16]
-#: Resident threads per SM on sm_90.
-THREADS_PER_SM = 2048
+#: Resident threads per SM that every known target has: one generated source (and so one
+#: knob choice) serves every arch a bundle holds.
+THREADS_PER_SM = threads_per_sm(TARGETS.values())
 
 
 class ScheduleRule:

@@ -1,6 +1,7 @@
 """The offline build step: codegen, nvcc, manifest, cache, atomic publish and loading checks.
 
-Builds a small bundle with the real toolchain (nvcc compiles sm_90a without a GPU).
+Builds a small bundle with the real toolchain (nvcc compiles the default archs, sm_90a and
+sm_100a, without a GPU).
 """
 
 import json
@@ -41,15 +42,16 @@ def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
     assert report.published and report.variants == 3 and report.lowered == report.compiled == report.libraries == 3
     bundle = Bundle(root / "bundle")
     manifest = bundle.manifest
-    assert set(manifest["toolchain"]) == {"package", "apache-tvm", "apache-tvm-ffi", "nvcc", "target_arch"}
-    assert manifest["toolchain"]["apache-tvm"] == "0.27.0.post1" and manifest["toolchain"]["target_arch"] == "sm_90a"
+    assert set(manifest["toolchain"]) == {"package", "apache-tvm", "apache-tvm-ffi", "nvcc", "target_archs"}
+    assert manifest["toolchain"]["apache-tvm"] == "0.27.0.post1" and manifest["toolchain"]["target_archs"] == ["sm_90a", "sm_100a"]
     assert bundle.names() == sorted(spec.name for spec in SPECS)
     for spec in SPECS:
         entry = bundle.entry(spec.name)
         assert VariantSpec.from_json(entry["spec"]) == spec
-        # ptxas holds the residual variants at 80 registers with a 4-byte spill, the
+        # ptxas holds the residual variants at 80 registers with a 4-byte spill on sm_90a, the
         # configuration measured on the H200 (docs/perf.md, version 3); the rest spill nothing.
-        assert entry["ptxas"]["registers"] > 0 and entry["ptxas"]["spill_stores"] <= (4 if spec.residual else 0)
+        hopper = entry["ptxas"]["sm_90a"]
+        assert hopper["registers"] > 0 and hopper["spill_stores"] <= (4 if spec.residual else 0) and entry["ptxas"]["sm_100a"]["registers"] > 0
         source = (bundle.path / manifest["libraries"][entry["library"]]["source"]).read_text()
         assert entry["kernel"] == f"{spec.name}_grouped_kernel" and source.count(entry["kernel"]) >= 2
         assert f"__tvm_ffi_{spec.name}(" in source  # the public [M, K] entry point
@@ -106,7 +108,7 @@ def test_the_torch_ops_library_takes_the_cuda_kernels_of_the_allocating_ops(buil
         "import sys, torch; from tvm_rmsquant import native; from tvm_rmsquant.loader import Bundle;"
         "bundle = Bundle(sys.argv[1]); print(native.unavailable(bundle)); register = native._load(bundle);"
         "name = bundle.names()[0];"
-        "print(register(name, bundle.function(name), 128, True, True, True, False, 9, 0));"
+        "print(register(name, bundle.function(name), 128, True, True, True, False, '9.0,10.0'));"
         "ops = ('rms_norm_group_quant', 'fused_add_rms_norm_group_quant', 'add_rms_norm_group_quant', 'rms_norm_per_block_quant');"
         "[print(op, [l for l in torch._C._dispatch_dump('tvm_rmsquant::' + op).splitlines() if l.startswith('CUDA')]) for op in ops]"
     )
@@ -256,7 +258,8 @@ def test_a_rebuild_over_a_corrupted_live_bundle_repairs_it(built, tmp_path):
 def test_device_capability_is_checked(built):
     bundle = Bundle(built[0] / "bundle")
     bundle.check_device((9, 0))
-    with pytest.raises(BundleError, match=r"compute capability 9.0\), the device has 8.0"):
+    assert bundle.check_device((10, 0)).name == "sm_100a"
+    with pytest.raises(BundleError, match=r"compute capability 8.0; the bundle has code for sm_90a \(compute capability 9.0\), sm_100a \(compute capability 10.0\)"):
         bundle.check_device((8, 0))
 
 
@@ -265,7 +268,7 @@ def test_ptxas_report_is_parsed_per_kernel():
 ptxas info    : Function properties for a_kernel
     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 80 registers, used 1 barriers, 96 bytes smem"""
-    assert parse_ptxas(log) == {"a_kernel": {"stack": 8, "spill_stores": 4, "spill_loads": 4, "registers": 80, "smem": 96}}
+    assert parse_ptxas(log) == {"a_kernel": {"sm_90a": {"stack": 8, "spill_stores": 4, "spill_loads": 4, "registers": 80, "smem": 96}}}
 
 
 def test_cli_lists_and_inspects_a_bundle(built):
@@ -274,7 +277,7 @@ def test_cli_lists_and_inspects_a_bundle(built):
     listing = subprocess.run([sys.executable, "-m", "tvm_rmsquant", "list"], capture_output=True, text=True, env=env, check=True).stdout
     assert all(spec.name in listing for spec in SPECS)
     shown = json.loads(subprocess.run([sys.executable, "-m", "tvm_rmsquant", "inspect", SPECS[0].name], capture_output=True, text=True, env=env, check=True).stdout)
-    assert shown["knobs"] and Path(shown["source_path"]).exists() and "registers" in shown["ptxas"]
+    assert shown["knobs"] and Path(shown["source_path"]).exists() and "registers" in shown["ptxas"]["sm_90a"]
     bad = subprocess.run([sys.executable, "-m", "tvm_rmsquant", "build", "--hidden", "4100", "--out", str(root / "x")], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "hidden=4100 is not divisible by group=128" in bad.stderr
 
@@ -313,7 +316,7 @@ def _copy_with_manifest(built, tmp_path, change):
     "change, reason",
     [
         (lambda m: m.update(schema_version=99), r"schema_version=99, this package reads"),
-        (lambda m: m["toolchain"].update(target_arch="sm_80"), r"targets 'sm_80', which this package cannot run"),
+        (lambda m: m["toolchain"].update(target_archs=["sm_80"]), r"target_archs \['sm_80'\]: arch='sm_80' is not a known target; the archs are sm_90a, sm_100a"),
         (lambda m: next(iter(m["libraries"].values())).update(sha256="0" * 64), r"has sha256 .*the manifest says 000000000000"),
         (lambda m: m["torch_ops"].update(sha256="0" * 64), r"torch_ops.so has sha256 .*the manifest says 000000000000"),
     ],

@@ -19,8 +19,9 @@ import pytest
 from conftest import require_toolchain
 
 from tvm_rmsquant.bundle_format import CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, manifest_digest, read_current, sha256_file
-from tvm_rmsquant.codegen.bundle import TARGET_ARCH, publish
+from tvm_rmsquant.codegen.bundle import publish
 from tvm_rmsquant.loader import ENV_VAR, Bundle, BundleError, open_bundle
+from tvm_rmsquant.target import DEFAULT_ARCHS
 
 ROUNDS = 200
 
@@ -37,7 +38,7 @@ def _dummy(folder: Path, tag: str):
                                      "tvm_ffi_imports": []}
     manifest = {
         "schema_version": SCHEMA_VERSION,
-        "toolchain": {"apache-tvm-ffi": metadata.version("apache-tvm-ffi"), "target_arch": TARGET_ARCH},
+        "toolchain": {"apache-tvm-ffi": metadata.version("apache-tvm-ffi"), "target_archs": list(DEFAULT_ARCHS)},
         "libraries": {"lib_a.so": {key: value for key, value in entry("lib_a.so", "lib_a.cu").items() if key != "library"}},
         "torch_ops": {**entry("torch_ops.so", "torch_ops.cpp"), "torch_stable_target": "2.10"},
         "variants": {"v": {"library": "lib_a.so", "symbol": "v", "rule": "row_resident", "knobs": {}}},
@@ -213,7 +214,7 @@ def test_a_damaged_bundle_is_a_bundle_error(live, damage, reason):
 
 @pytest.mark.parametrize(
     "keys",
-    [("toolchain",), ("libraries",), ("torch_ops",), ("variants",), ("toolchain", "apache-tvm-ffi"), ("toolchain", "target_arch"),
+    [("toolchain",), ("libraries",), ("torch_ops",), ("variants",), ("toolchain", "apache-tvm-ffi"), ("toolchain", "target_archs"),
      *[("libraries", "lib_a.so", key) for key in ("sha256", "source", "source_sha256", "tvm_ffi_imports")],
      *[("torch_ops", key) for key in ("library", "sha256", "source", "source_sha256", "torch_stable_target", "tvm_ffi_imports")],
      *[("variants", "v", key) for key in ("library", "symbol", "rule", "knobs")]],

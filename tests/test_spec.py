@@ -73,7 +73,12 @@ def test_default_preset_covers_the_consumer_table():
     assert {s.hidden for s in specs if s.group == 64} == {4096, 7168, None}
     assert {s.dtype for s in specs} == {"bf16", "fp16"} and {s.residual for s in specs} == {False, True}
     dynamic = [s for s in specs if s.is_dynamic and not s.scale_ub]
-    assert len(dynamic) == 2 * 2 * 2 * 4
+    # (dtype, residual) x G in {128, 64} x 4 consumer layouts, plus G = 32 packed UE8M0.
+    assert len(dynamic) == 2 * 2 * 2 * 4 + 2 * 2
+    # G = 32: packed UE8M0 only (Blackwell DeepGEMM), at every default hidden size and dynamic K.
+    grouped32 = {(s.dtype, s.hidden, s.residual, s.layout, s.format) for s in specs if s.group == 32}
+    assert grouped32 == {(d, k, r, "col", "ue8m0_packed") for d in ("bf16", "fp16") for r in (False, True)
+                         for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None)}
     # scale_ub kernels: dynamic K, G = 128, fp32 scales in both layouts (run by the GPU tests).
     capped = {(s.dtype, s.hidden, s.group, s.residual, s.layout, s.format) for s in specs if s.scale_ub}
     assert capped == {(d, None, 128, r, layout, "fp32") for d in ("bf16", "fp16") for r in (False, True) for layout in ("row", "col")}

@@ -42,7 +42,9 @@ from typing import FrozenSet, List, Optional, Tuple
 #: 3: the bundle ships the allocating torch ops' C++ implementation (torch_ops.so).
 #: 4: each library lists the tvm-ffi functions it imports (``tvm_ffi_imports``), which the
 #:    loader checks in place of the apache-tvm-ffi version the bundle was built with.
-SCHEMA_VERSION = 4
+#: 5: libraries hold SASS for several archs: ``toolchain.target_archs`` lists them (was one
+#:    ``target_arch``) and each kernel's ``ptxas`` figures are keyed by arch.
+SCHEMA_VERSION = 5
 MANIFEST_FILE = "manifest.json"
 CURRENT_FILE = "CURRENT"
 LOCK_FILE = ".lock"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .bundle_format import default_bundle_dir, sha256_file
+from .target import DEFAULT_ARCHS, TARGETS, targets
 
 
 def _parse_hidden(text: str) -> List[int]:
@@ -39,6 +40,17 @@ def _parse_knobs(text: str):
     return knobs
 
 
+def _parse_archs(text: str):
+    """A comma-separated arch list; a refusal is one line and exit 2, as for --knobs."""
+    from .target import parse_archs
+
+    try:
+        return parse_archs(text)
+    except ValueError as error:
+        print(f"error: --arch={text!r}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _parse_spec(text: str):
     from .spec import VariantSpec
 
@@ -60,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("-j", "--jobs", type=int, default=2, help="parallel lowering processes and nvcc invocations")
     build.add_argument("--cache", help="build cache directory (default: ~/.cache/tvm_rmsquant)")
     build.add_argument("--knobs", type=_parse_knobs, default={}, help="override schedule knobs where valid, e.g. groups_per_thread=8")
+    build.add_argument("--arch", type=_parse_archs, default=",".join(DEFAULT_ARCHS),
+                       help=f"comma-separated GPU archs every library holds SASS for, of {','.join(TARGETS)} (default: %(default)s); "
+                            "tuning records are matched against the first one's compute capability")
     tuning = build.add_mutually_exclusive_group()
     tuning.add_argument("--tuning-db", type=Path, help="tuning database to take measured schedules from (default: the one shipped with the package)")
     tuning.add_argument("--no-tuning", action="store_true", help="hand-picked schedules only")
@@ -158,9 +173,8 @@ def _build(args) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         from .codegen.lower import kernel_digest
-        from .loader import ARCH_CAPABILITY
 
-        target = build_target(builder.toolchain(), ARCH_CAPABILITY[builder.TARGET_ARCH], args.tuning_gpu)
+        target = build_target(builder.toolchain(args.arch), targets(args.arch)[0].capability, args.tuning_gpu)
         tuned, rejected = database.for_build(target, {spec.name for spec in specs}, kernel_digest)
         print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
         for reason in rejected:
@@ -175,7 +189,7 @@ def _build(args) -> int:
         try:
             report = builder.build(
                 specs, out, jobs=args.jobs, cache_dir=cache, choose=overriding(args.knobs), tuned=tuned,
-                progress=lambda stage, n: bar.advance(tasks[stage], n), extra=extra,
+                progress=lambda stage, n: bar.advance(tasks[stage], n), extra=extra, archs=args.arch,
             )
         except OSError as error:
             reason = "disk full" if error.errno == errno.ENOSPC else "a file could not be written or read"
@@ -196,7 +210,7 @@ def _open(path: Optional[Path]):
 
 def _list(args) -> int:
     bundle = _open(args.bundle)
-    print(f"{bundle.path} ({len(bundle.names())} variants, {bundle.target_arch})")
+    print(f"{bundle.path} ({len(bundle.names())} variants, {','.join(bundle.target_archs)})")
     for name in bundle.names():
         entry = bundle.entry(name)
         print(f"  {name:44s} {entry['rule']:14s} {json.dumps(entry['knobs'], sort_keys=True)}")

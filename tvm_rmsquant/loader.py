@@ -11,16 +11,15 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from .bundle_format import (CURRENT_FILE, MANIFEST_FILE, SCHEMA_VERSION, bundle_dir, default_bundle_dir, dynamic_symbols, installed_libtvm_ffi,
                             manifest_digest, read_current, sha256_file)
 from .spec import VariantSpec
+from .target import Target, for_capability, targets
 
 ENV_VAR = "TVM_RMSQUANT_BUNDLE"
 PACKAGE_BUNDLE = Path(__file__).parent / "_bundle"
-#: sm_90a machine code runs on compute capability 9.0 only.
-ARCH_CAPABILITY = {"sm_90a": (9, 0)}
 
 
 class BundleError(RuntimeError):
@@ -34,7 +33,7 @@ class BundleError(RuntimeError):
 _FILE = {"sha256": str, "source": str, "source_sha256": str, "tvm_ffi_imports": [str]}
 _KERNEL = {"library": str, "symbol": str, "rule": str, "knobs": dict}
 _MANIFEST = {
-    "toolchain": {"apache-tvm-ffi": str, "target_arch": str},
+    "toolchain": {"apache-tvm-ffi": str, "target_archs": [str]},
     "libraries": (_FILE,),
     "torch_ops": {**_FILE, "library": str, "torch_stable_target": str},
     "variants": (_KERNEL,),
@@ -126,8 +125,10 @@ class Bundle:
             )
         _check_form(manifest, _MANIFEST, where)
         _check_form(manifest.get("candidates", {}), _CANDIDATES, f"{where}['candidates']")
-        if manifest["toolchain"]["target_arch"] not in ARCH_CAPABILITY:
-            raise BundleError(f"bundle targets {manifest['toolchain']['target_arch']!r}, which this package cannot run")
+        try:
+            targets(manifest["toolchain"]["target_archs"])
+        except ValueError as error:
+            raise BundleError(f"{where}: target_archs {manifest['toolchain']['target_archs']}: {error}; rebuild the bundle") from None
         self._hashes = {}
         for library, entry in [*manifest["libraries"].items(), (manifest["torch_ops"]["library"], manifest["torch_ops"])]:
             self._hashes.update({library: entry["sha256"], entry["source"]: entry["source_sha256"]})
@@ -158,8 +159,9 @@ class Bundle:
     # -- queries ---------------------------------------------------------------------------------
 
     @property
-    def target_arch(self) -> str:
-        return self.manifest["toolchain"]["target_arch"]
+    def target_archs(self) -> List[str]:
+        """The archs every library of the bundle holds SASS for."""
+        return self.manifest["toolchain"]["target_archs"]
 
     def names(self):
         return sorted(self.manifest["variants"])
@@ -173,14 +175,13 @@ class Bundle:
         except KeyError:
             raise BundleError(f"bundle {self.path} has no variant {name!r}") from None
 
-    def check_device(self, capability) -> None:
-        """Refuse a GPU whose compute capability cannot run this bundle's machine code."""
-        wanted = ARCH_CAPABILITY[self.target_arch]
-        if tuple(capability) != wanted:
-            raise BundleError(
-                f"bundle is built for {self.target_arch} (compute capability {wanted[0]}.{wanted[1]}), "
-                f"the device has {capability[0]}.{capability[1]}"
-            )
+    def check_device(self, capability) -> Target:
+        """The bundle's target whose machine code runs on a GPU of ``capability``; a BundleError
+        naming the archs the bundle has when none does."""
+        try:
+            return for_capability(capability, self.target_archs)
+        except ValueError as error:
+            raise BundleError(f"bundle {self.path}: {error}; build one with `python -m tvm_rmsquant build --arch ...`") from None
 
     def check_tvm_ffi(self, libtvm_ffi) -> None:
         """Refuse the bundle unless the ``libtvm_ffi.so`` at ``libtvm_ffi`` (at open: the installed

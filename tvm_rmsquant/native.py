@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from .loader import ARCH_CAPABILITY, Bundle, BundleError
+from .loader import Bundle, BundleError
+from .target import targets
 from .spec import VariantSpec
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,12 @@ def activate(bundle: Bundle) -> Optional[str]:
         try:
             with _lock:
                 register = _load(bundle)
-                major, minor = ARCH_CAPABILITY[bundle.target_arch]
+                capabilities = ",".join(f"{target.capability[0]}.{target.capability[1]}" for target in targets(bundle.target_archs))
                 for name in bundle.names():
                     if _owners.get(name) != bundle.path:
                         spec = VariantSpec.parse(name)
                         register(name, bundle.function(name), spec.group, spec.layout == "col", spec.format == "ue8m0_packed",
-                                 spec.residual, spec.scale_ub, major, minor)
+                                 spec.residual, spec.scale_ub, capabilities)
                         _owners[name] = bundle.path
         except BundleError as error:
             reason = str(error)

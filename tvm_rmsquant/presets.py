@@ -20,6 +20,9 @@ ALL_LAYOUTS = CONSUMER_LAYOUTS + (("row", "ue8m0"),)
 #: K, G = 128, fp32 scales in both layouts: 8 variants, so that every kernel the ops can be
 #: asked for is built, and so run by the GPU tests, without doubling the build.
 DEFAULT_SCALE_UB_LAYOUTS = (("row", "fp32"), ("col", "fp32"))
+#: The default's G = 32 kernels: packed UE8M0 only, which Blackwell DeepGEMM (``deepgemm_sm100``)
+#: also reads at group 32, for every default hidden size and dynamic K (36 variants).
+GROUP32_LAYOUTS = (("col", "ue8m0_packed"),)
 PRESETS = ("default", "all")
 
 
@@ -49,4 +52,5 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     specs = _specs(dtypes, static + dynamic, layouts, scale_ubs)
     if name == "default":
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
+        specs += _specs(dtypes, [(k, 32) for k in hidden] + [(None, 32)], GROUP32_LAYOUTS, (False,))
     return sorted(set(specs), key=lambda spec: spec.name)
