@@ -107,9 +107,14 @@ def group_quant(y: torch.Tensor, spec: VariantSpec, scale_ub: Optional[torch.Ten
 
     q = torch.clamp(grouped / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, hidden)
 
-    scales = empty_scales(spec, rows, hidden, y.device)
-    scales.copy_(pack_ue8m0(scale) if spec.format == "ue8m0_packed" else scale)
-    return q, scales
+    scales = pack_ue8m0(scale) if spec.format == "ue8m0_packed" else scale
+    if spec.layout == "row":
+        return q, empty_scales(spec, rows, hidden, y.device).copy_(scales)
+    # Out of place: a copy_ into the padded col buffer makes Dynamo guard on
+    # round_up(M, 4) == M, so a model compiled with a symbolic M compiled M % 4 == 0 apart.
+    shape, strides, storage_rows, _ = scale_geometry(spec, rows, hidden)
+    padded = torch.nn.functional.pad(scales, (0, 0, 0, storage_rows - rows)).t().contiguous()
+    return q, padded.as_strided(shape, strides)
 
 
 def rms_norm_group_quant(
