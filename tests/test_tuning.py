@@ -391,3 +391,24 @@ def test_the_build_refuses_a_folder_or_malformed_tuning_database_in_one_line(tmp
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith(f"error: tuning database {database}") and says in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_build_remembers_kernel_digests_per_code_and_toolchain(tmp_path, toolchain, monkeypatch):
+    """The remembered digest is the computed one; a second build with the same code and
+    toolchain schedules nothing; a damaged file is recomputed; another toolchain is another key."""
+    from tvm_rmsquant.codegen import bundle as builder, lower
+
+    spec = VariantSpec.parse("bf16_k4096_g128_col_fp32")
+    rule, knobs = default_schedule(spec)
+    tools = {"apache-tvm": "x", "nvcc": "y"}
+    want = lower.kernel_digest(spec, rule, knobs)
+    assert builder.remembered_kernel_digests(tmp_path, tools)(spec, rule, knobs) == want
+    (stored,) = (tmp_path / "digests").iterdir()
+    with monkeypatch.context() as patch:
+        patch.setattr(lower, "kernel_digest", lambda *args: pytest.fail("scheduled again"))
+        assert builder.remembered_kernel_digests(tmp_path, tools)(spec, rule, knobs) == want
+    stored.write_text('{"truncated')
+    assert builder.remembered_kernel_digests(tmp_path, tools)(spec, rule, knobs) == want
+    assert json.loads(stored.read_text()) == {f"{spec.name}|{rule}|{json.dumps(knobs, sort_keys=True)}": want}
+    builder.remembered_kernel_digests(tmp_path, {**tools, "nvcc": "z"})(spec, rule, knobs)
+    assert len(list((tmp_path / "digests").iterdir())) == 2

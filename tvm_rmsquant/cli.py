@@ -172,9 +172,9 @@ def _build(args) -> int:
         except DatabaseError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        from .codegen.lower import kernel_digest
-
-        target = build_target(builder.toolchain(args.arch), targets(args.arch)[0].capability, args.tuning_gpu)
+        tools = builder.toolchain(args.arch)
+        target = build_target(tools, targets(args.arch)[0].capability, args.tuning_gpu)
+        kernel_digest = builder.remembered_kernel_digests(cache, tools)
         tuned, rejected = database.for_build(target, {spec.name for spec in specs}, kernel_digest)
         print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
         for reason in rejected:
