@@ -82,7 +82,7 @@ def entry_point(spec: VariantSpec, symbol: str, buckets: Sequence[Tuple[int, str
     input_dtype = ", ".join("true" if name in launch.INPUT_DTYPE_ARGS else "false" for name, _ in params)
     code, bits = _DLPACK_DTYPES[spec.dtype]
     hidden = -1 if spec.hidden is None else spec.hidden
-    multiple = spec.group * (4 if spec.format == "ue8m0_packed" else 1)
+    multiple = spec.group * spec.scale.groups_per_word
     kernels = sorted(buckets) + [(-1, symbol)]
     table = ", ".join(f"{{{max_rows}, __tvm_ffi_{launch.grouped_symbol(name)}}}" for max_rows, name in kernels)
     return f"""

@@ -39,27 +39,39 @@ namespace {
 
 using torch::stable::Tensor;
 
+// The scale layout record of tvm_rmsquant/scale_layout.py (ScaleLayout.cxx_record), as
+// received: this file interprets it and keeps no layout facts of its own.
+struct ScaleLayout {
+  int64_t element;          // ELEMENT_CODES: 0 float32, 1 int32
+  int64_t groups_per_word;  // groups per element (4 for packed UE8M0)
+  bool column_major;        // strides (1, round_up(M, row_align))
+  int64_t row_align;
+};
+
 // What a call needs to know of one variant: its entry point, and the scale geometry.
 struct Variant {
   tvm::ffi::Function entry;
   int64_t group;
-  bool col;       // column-major, TMA-aligned scales: strides (1, round_up(M, 4))
-  bool packed;    // UE8M0 packed four groups to an int32
+  ScaleLayout scale;
   bool residual;  // takes a residual (x, residual, weight, ...)
   bool scale_ub;  // takes a one-element scale_ub tensor
   std::string capabilities;  // the compute capabilities the machine code runs on, as "9.0,10.0"
 };
 
-constexpr int64_t kTmaAlignRows = 4;
 constexpr int kMaxDevices = 64;
 
 std::mutex registry_mutex;
 std::unordered_map<std::string, std::shared_ptr<const Variant>> registry;
 
-int64_t register_variant(tvm::ffi::String name, tvm::ffi::Function entry, int64_t group, bool col, bool packed,
-                         bool residual, bool scale_ub, tvm::ffi::String capabilities) {
-  auto variant = std::make_shared<const Variant>(
-      Variant{std::move(entry), group, col, packed, residual, scale_ub, std::string(capabilities)});
+int64_t register_variant(tvm::ffi::String name, tvm::ffi::Function entry, int64_t group, int64_t element,
+                         int64_t groups_per_word, bool column_major, int64_t row_align, bool residual, bool scale_ub,
+                         tvm::ffi::String capabilities) {
+  if ((element != 0 && element != 1) || groups_per_word < 1 || row_align < 1) {
+    throw std::invalid_argument("register_variant: " + std::string(name) + " has a scale layout this library cannot allocate");
+  }
+  auto variant = std::make_shared<const Variant>(Variant{std::move(entry), group,
+                                                         ScaleLayout{element, groups_per_word, column_major, row_align},
+                                                         residual, scale_ub, std::string(capabilities)});
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry[std::string(name)] = std::move(variant);
   return int64_t(registry.size());
@@ -229,14 +241,16 @@ struct Output {
 
 // The scales of ``rows`` rows: reference.empty_scales's shape, strides and dtype.
 void emplace_scales(std::optional<Output>& scales, const Variant& variant, int64_t rows, int64_t hidden, int32_t device_index) {
+  const ScaleLayout& layout = variant.scale;
   const int64_t groups = hidden / variant.group;
-  const int64_t cols = variant.packed ? (groups + 3) / 4 : groups;
-  const int32_t dtype = variant.packed ? aoti_torch_dtype_int32() : aoti_torch_dtype_float32();
-  const DLDataType dlpack = variant.packed ? DLDataType{kDLInt, 32, 1} : DLDataType{kDLFloat, 32, 1};
-  if (!variant.col) {
+  const int64_t cols = (groups + layout.groups_per_word - 1) / layout.groups_per_word;
+  const bool int32 = layout.element == 1;
+  const int32_t dtype = int32 ? aoti_torch_dtype_int32() : aoti_torch_dtype_float32();
+  const DLDataType dlpack = int32 ? DLDataType{kDLInt, 32, 1} : DLDataType{kDLFloat, 32, 1};
+  if (!layout.column_major) {
     scales.emplace(rows, cols, cols, 1, dtype, dlpack, device_index);
   } else {
-    const int64_t padded = (rows + kTmaAlignRows - 1) / kTmaAlignRows * kTmaAlignRows;
+    const int64_t padded = (rows + layout.row_align - 1) / layout.row_align * layout.row_align;
     scales.emplace(rows, cols, 1, padded, dtype, dlpack, device_index);
   }
 }

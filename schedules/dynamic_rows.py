@@ -45,7 +45,7 @@ class DynamicRows(ScheduleRule):
         knobs = self.validate(spec, knobs)
         vector, rows = knobs["vector"], knobs["rows_per_block"]
         lanes = spec.group // vector
-        packed = spec.format == "ue8m0_packed"
+        packed = spec.scale.packed
         from tvm import s_tir  # build time only: the rule's space and checks need no TVM
 
         sch = s_tir.Schedule(func)

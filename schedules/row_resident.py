@@ -58,8 +58,9 @@ class RowResident(ScheduleRule):
             return f"{threads} threads per block is not a whole number of warps"
         if per_thread * vector > MAX_RESIDENT:
             return f"{per_thread * vector} resident values per thread would spill"
-        if spec.format == "ue8m0_packed" and per_thread % 4 and per_thread != groups:
-            return "a packed UE8M0 word's four groups must belong to one thread"
+        words = spec.scale.groups_per_word
+        if words > 1 and per_thread % words and per_thread != groups:
+            return f"a packed word's {words} groups must belong to one thread"
         return self.check_occupancy(threads, knobs)
 
     def default(self, spec: VariantSpec) -> Optional[Knobs]:
@@ -108,7 +109,7 @@ class RowResident(ScheduleRule):
         # cannot be moved under the row loop, and the copy out vectorizes.
         q_store = sch.cache_write(block("q"), 0, "local")
         residual_store = sch.cache_write(block("residual"), 0, "local") if spec.residual else None
-        if spec.format == "ue8m0_packed":
+        if spec.scale.packed:
             scale_store = None
             sch.set_scope(block("scale"), 0, "local")
         else:

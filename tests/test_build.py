@@ -105,10 +105,10 @@ def test_the_torch_ops_library_takes_the_cuda_kernels_of_the_allocating_ops(buil
     """Loaded into this torch (a CPU build: ``native`` declines it, with the reason), the
     library registers the CUDA kernels and accepts the bundle's entry points."""
     script = (
-        "import sys, torch; from tvm_rmsquant import native; from tvm_rmsquant.loader import Bundle;"
+        "import sys, torch; import tvm_rmsquant.ops; from tvm_rmsquant import native; from tvm_rmsquant.loader import Bundle;"
         "bundle = Bundle(sys.argv[1]); print(native.unavailable(bundle)); register = native._load(bundle);"
-        "name = bundle.names()[0];"
-        "print(register(name, bundle.function(name), 128, True, True, True, False, '9.0,10.0'));"
+        "from tvm_rmsquant.spec import VariantSpec; name = bundle.names()[0]; spec = VariantSpec.parse(name);"
+        "print(register(name, bundle.function(name), spec.group, *spec.scale.cxx_record(), spec.residual, spec.scale_ub, '9.0,10.0'));"
         "ops = ('rms_norm_group_quant', 'fused_add_rms_norm_group_quant', 'add_rms_norm_group_quant', 'rms_norm_per_block_quant');"
         "[print(op, [l for l in torch._C._dispatch_dump('tvm_rmsquant::' + op).splitlines() if l.startswith('CUDA')]) for op in ops]"
     )

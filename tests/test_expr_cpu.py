@@ -20,7 +20,8 @@ import tvm  # noqa: E402
 from tvm_rmsquant import cpu, expr, reference  # noqa: E402
 from tvm_rmsquant.checks import compare, random_inputs  # noqa: E402
 from tvm_rmsquant.selfcheck import run_cpu_kernel  # noqa: E402
-from tvm_rmsquant.spec import MIN_SCALE, VariantSpec  # noqa: E402
+from tvm_rmsquant.scale_layout import MIN_SCALE  # noqa: E402
+from tvm_rmsquant.spec import VariantSpec  # noqa: E402
 
 ROWS = (0, 1, 3, 17, 256)
 HIDDEN = (128, 1024, 4096, 7168)

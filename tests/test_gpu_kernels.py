@@ -14,7 +14,8 @@ import torch
 from tvm_rmsquant import launch, reference
 from tvm_rmsquant.checks import compare, random_inputs
 from tvm_rmsquant.presets import preset
-from tvm_rmsquant.spec import TMA_ALIGN_ROWS, VariantSpec, round_up
+from tvm_rmsquant.scale_layout import TMA_ALIGN_ROWS, round_up
+from tvm_rmsquant.spec import VariantSpec
 
 pytestmark = pytest.mark.gpu
 

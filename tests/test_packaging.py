@@ -27,6 +27,30 @@ def test_the_runtime_import_path_does_not_import_the_tvm_compiler(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_build_modules_import_without_torch_and_register_no_ops(tmp_path):
+    """The build's lowering workers import codegen and schedules: with torch unimportable
+    (tvm-ffi's own optional ``import torch`` then passes), they still import, and nothing
+    of the runtime (the ops, the dispatcher) comes with them."""
+    code = (
+        "import sys; sys.modules['torch'] = None;"
+        "import tvm_rmsquant.schedules, tvm_rmsquant.schedules.search, tvm_rmsquant.schedules.database;"
+        "import tvm_rmsquant.codegen.bundle, tvm_rmsquant.codegen.lower, tvm_rmsquant.codegen.nvcc;"
+        "bad = sorted(m for m in sys.modules if m in ('tvm_rmsquant.ops', 'tvm_rmsquant.dispatch', 'tvm_rmsquant.native'));"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_any_public_name_registers_the_ops(tmp_path):
+    code = (
+        "import sys, torch, tvm_rmsquant; assert 'tvm_rmsquant.ops' not in sys.modules;"
+        "tvm_rmsquant.VariantSpec; assert hasattr(torch.ops.tvm_rmsquant, 'rms_norm_per_block_quant')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_the_tuning_database_ships_with_the_package(tmp_path):
     """The build reads it by default, from wherever the package is installed."""
     code = "from tvm_rmsquant.schedules.database import DEFAULT_DATABASE as d; assert d.is_file(), d"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tvm_rmsquant import reference
-from tvm_rmsquant.spec import FP8_MAX, MIN_SCALE, VariantSpec
+from tvm_rmsquant.scale_layout import FP8_MAX, MIN_SCALE
+from tvm_rmsquant.spec import VariantSpec
 
 
 def test_pow2_rounding_is_exponent_plus_one_if_mantissa_nonzero():

@@ -22,7 +22,8 @@ import tvm_rmsquant
 from tvm_rmsquant import ops, reference
 from tvm_rmsquant.checks import compare, random_inputs
 from tvm_rmsquant.dispatch import select
-from tvm_rmsquant.spec import FP8_MAX, MIN_SCALE, VariantSpec
+from tvm_rmsquant.scale_layout import FP8_MAX, MIN_SCALE
+from tvm_rmsquant.spec import VariantSpec
 
 K = 4096
 PLAIN = VariantSpec("bf16", K, 128, layout="col")

@@ -8,9 +8,11 @@ from typing import Optional
 
 import torch
 
-from .dispatch import BoundKernel, Candidate
+from . import serving
+from .dispatch import BoundKernel
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES, TORCH_DTYPES
+from .serving import Candidate
 from .spec import VariantSpec, check_eps
 
 logger = logging.getLogger(__name__)
@@ -18,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=None)
 def _resolve(spec: VariantSpec, device_type: str, weight_dtype: torch.dtype) -> BoundKernel:
-    """Static kernel, else dynamic, else reference; from bundle contents only (no device query)."""
+    """``serving.choose`` on the default bundle (contents only: no device query); the first
+    call then serves that bundle, as ``select`` does."""
     if weight_dtype != TORCH_DTYPES[spec.dtype]:
         reason = f"the weight is {weight_dtype} and x {TORCH_DTYPES[spec.dtype]}; kernels take one dtype"
         logger.warning("tvm_rmsquant: %s; using the torch reference for %s", reason, spec.name)
@@ -29,10 +32,10 @@ def _resolve(spec: VariantSpec, device_type: str, weight_dtype: torch.dtype) -> 
         bundle = open_bundle()
     except BundleError as error:
         return BoundKernel(spec, None, [Candidate("bundle", False, str(error))])
-    for candidate in (spec, spec.with_hidden(None)):
-        if candidate in bundle and candidate.accepts_hidden(spec.hidden) is None:
-            return BoundKernel(spec, candidate.name, [Candidate(candidate.name, True, "in the default bundle")])
-    return BoundKernel(spec, None, [Candidate(spec.name, False, "no static or dynamic kernel in the default bundle")])
+    chosen, why = serving.choose(spec, bundle)
+    if chosen is None:
+        return BoundKernel(spec, None, why)
+    return BoundKernel(spec, chosen.name, why + [Candidate(chosen.name, True, "in the default bundle")])
 
 
 def rms_norm_group_quant(

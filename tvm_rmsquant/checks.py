@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .reference import scales_fp32
-from .spec import FP8_MAX, VariantSpec
+from .spec import VariantSpec
 
 MIN_IDENTICAL_CODES = 0.999
 _MANTISSA_BITS = {"bf16": 7, "fp16": 10, "fp32": 23}
@@ -82,11 +82,12 @@ def scale_units(ours: torch.Tensor, ref: torch.Tensor, spec: VariantSpec, hidden
     ours, ref = torch.where(finite, ours, 1.0), torch.where(finite, ref, 1.0)
     if spec.pow2_scales:
         return (torch.log2(ours) - torch.log2(ref)).abs()
-    absmax = ref * FP8_MAX
+    qmax = spec.scale.traits.qmax
+    absmax = ref * qmax
     ulp = torch.exp2(torch.floor(torch.log2(absmax)) - _MANTISSA_BITS[spec.dtype])
     if spec.dtype == "fp32":
         ulp = ulp * max(1.0, hidden / 2)
-    return (ours - ref).abs() * FP8_MAX / ulp
+    return (ours - ref).abs() * qmax / ulp
 
 
 def _fp32_ulps(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import ops, reference
+from . import ops, reference, serving
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES
+from .serving import Candidate
 from .spec import VariantSpec, check_eps
 
 logger = logging.getLogger(__name__)
@@ -30,13 +31,6 @@ CONSUMERS = {
     "triton": ("row", "fp32"),
     "row": ("row", "fp32"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    name: str
-    taken: bool
-    reason: str
 
 
 def _dispatcher_entry(overload):
@@ -193,21 +187,13 @@ def select(
         except BundleError as error:
             opened = None
             why.append(Candidate("bundle", False, str(error)))
-        for candidate in (spec, spec.with_hidden(None)):
-            if opened is None:
-                break
-            if candidate not in opened:
-                why.append(Candidate(candidate.name, False, f"not in bundle {opened.path}"))
-                continue
-            reason = candidate.accepts_hidden(hidden_size)
-            if reason is not None:
-                why.append(Candidate(candidate.name, False, reason))
-                continue
+        if opened is not None:
+            chosen, refused = serving.choose(spec, opened)
+            why += refused
+        if chosen is not None:
             no_native = ops.use_bundle(opened)
-            chosen = candidate
             route = "the C++ torch op" if no_native is None else f"the Python torch op: {no_native}"
-            why.append(Candidate(candidate.name, True, f"{opened.entry(candidate.name)['rule']} kernel from {opened.path}, called through {route}"))
-            break
+            why.append(Candidate(chosen.name, True, f"{opened.entry(chosen.name)['rule']} kernel from {opened.path}, called through {route}"))
     elif device.type == "cpu":
         # CPU: the op runs the llvm build of this static spec (or the reference without TVM).
         chosen = spec

@@ -34,7 +34,7 @@ from typing import Dict, List
 import tvm
 from tvm import te, tirx
 
-from .spec import FP8_MAX, MIN_SCALE, VariantSpec
+from .spec import VariantSpec
 
 F32 = "float32"
 FLT_MAX = 3.4028234663852886e38  # not inf, not NaN: |e| <= FLT_MAX is "e is finite"
@@ -179,14 +179,16 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     group = spec.group
     # 64-bit rows: offsets such as m * K pass 2^31 for M * K >= 2^31 elements.
     rows = te.var("m", "int64")
+    layout = spec.scale
+    per_word = layout.groups_per_word
     if spec.hidden is not None:
         groups = spec.hidden // group
-        words = (groups + 3) // 4
-    elif spec.format == "ue8m0_packed":
+        words = layout.columns(groups)
+    elif layout.packed:
         # Whole packed words only, so that no group loop needs a bounds predicate;
         # ``words`` binds from the packed scales' shape.
         words = te.var("words", "int64")
-        groups = words * 4
+        groups = words * per_word
     else:
         groups = te.var("groups", "int64")
         words = None
@@ -236,35 +238,39 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
         name="absmax",
     )
 
+    traits = layout.traits
+    qmax = _f32(traits.qmax)
+
     def group_scale(m, g):
         amax = tirx.reinterpret(F32, absmax[m, g])
         if ub is not None:
             # A cap that is not > 0 (or NaN) cannot give a valid scale: NaN, as in the reference.
             capped = _let("amax", amax, lambda a: tirx.Select(a > ub[0], ub[0], a))
             amax = tirx.Select(ub[0] > _f32(0.0), capped, tirx.reinterpret(F32, _u32(0x7FC00000)))
-        floored = _let("s", amax / _f32(FP8_MAX), lambda s: tirx.Select(s < _f32(MIN_SCALE), _f32(MIN_SCALE), s))
-        return _let("s", floored, round_up_pow2) if spec.pow2_scales else floored
+        floor = _f32(traits.min_scale)
+        floored = _let("s", amax / qmax, lambda s: tirx.Select(s < floor, floor, s))
+        return _let("s", floored, round_up_pow2) if traits.pow2 else floored
 
     scale = te.compute((rows, groups), group_scale, name="scale")
 
     ratio = te.compute(
-        shape, lambda m, g, j: quotient(y[m, g, j], scale[m, g], bounded=ub is None, power_of_two=spec.pow2_scales), name="ratio"
+        shape, lambda m, g, j: quotient(y[m, g, j], scale[m, g], bounded=ub is None, power_of_two=traits.pow2), name="ratio"
     )
 
     def quantize(m, g, j):
         if portable_casts:
-            return _let("c", _let("v", ratio(m, g, j), lambda v: _clamp(v, _f32(-FP8_MAX), _f32(FP8_MAX))), e4m3fn_bits)
+            return _let("c", _let("v", ratio(m, g, j), lambda v: _clamp(v, _f32(-traits.qmax), qmax)), e4m3fn_bits)
         # CUDA's float -> e4m3 conversion is saturating (cvt.rn.satfinite): it is the clamp.
         return ratio[m, g, j].astype(spec.out_dtype)
 
     q = te.compute(shape, quantize, name="q")
 
-    if spec.format == "ue8m0_packed":
+    if layout.packed:
 
         def pack(m, j):
             word = tirx.const(0, "uint32")
-            for byte in range(4):
-                g = j * 4 + byte
+            for byte in range(per_word):
+                g = j * per_word + byte
                 # Groups past the last are padding bytes: 0. if_then_else never reads them.
                 bits = tirx.if_then_else(g < groups, tirx.reinterpret("uint32", scale[m, g]), _u32(0))
                 word = word | (((bits >> _u32(23)) & _u32(0xFF)) << _u32(8 * byte))
@@ -318,6 +324,6 @@ def prim_func(spec: VariantSpec, portable_casts: bool = False) -> tirx.PrimFunc:
     if spec.residual:
         # r and the residual output may be one tensor (in-place update): no restrict.
         func = func.with_attr("tirx.noalias", False)
-    if spec.layout == "col":
+    if spec.scale.column_major:
         func = _with_padded_col_strides(func, fused.tensors["scales"].op.name)
     return func

@@ -9,9 +9,10 @@ build in ``group_views`` below. Neither launches when M = 0.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-import torch
+if TYPE_CHECKING:  # the build's lowering workers import this module without torch
+    import torch
 
 from .spec import VariantSpec
 

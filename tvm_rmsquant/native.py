@@ -8,14 +8,15 @@ library's stable-ABI target, a library that fails to load), those ops run their 
 implementation, which makes the same kernel call through tvm-ffi.
 
 One library is loaded per process: the first bundle's. Its ops serve every bundle, since
-each bundle registers its variants' entry points with it (``activate``).
+``tvm_rmsquant.serving`` registers with it each variant whose serving bundle changed
+(``activate``): the C++ registry mirrors that one record.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _register = None  # the loaded library's register_variant
-_owners = {}  # variant -> the bundle whose entry point the C++ ops run (the latest registered)
 
 
 def _version(text: str):
@@ -58,20 +58,19 @@ def _load(bundle: Bundle):
     return _register
 
 
-def activate(bundle: Bundle) -> Optional[str]:
-    """Route the bundle's variants through the C++ ops; None when done, else why not (logged)."""
+def activate(bundle: Bundle, names: Sequence[str]) -> Optional[str]:
+    """Route ``names`` (variants of ``bundle``) through the C++ ops; None when they run
+    there, else why not (logged)."""
     reason = unavailable(bundle)
     if reason is None:
         try:
             with _lock:
                 register = _load(bundle)
                 capabilities = ",".join(f"{target.capability[0]}.{target.capability[1]}" for target in targets(bundle.target_archs))
-                for name in bundle.names():
-                    if _owners.get(name) != bundle.path:
-                        spec = VariantSpec.parse(name)
-                        register(name, bundle.function(name), spec.group, spec.layout == "col", spec.format == "ue8m0_packed",
-                                 spec.residual, spec.scale_ub, capabilities)
-                        _owners[name] = bundle.path
+                for name in names:
+                    spec = VariantSpec.parse(name)
+                    register(name, bundle.function(name), spec.group, *spec.scale.cxx_record(),
+                             spec.residual, spec.scale_ub, capabilities)
         except BundleError as error:
             reason = str(error)
     if reason is not None:

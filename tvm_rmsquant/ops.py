@@ -24,9 +24,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import cpu, launch, native, reference
+from . import cpu, launch, reference, serving
 from .loader import open_bundle
-from .spec import TMA_ALIGN_ROWS, VariantSpec, check_eps, scale_strides_refusal
+from .spec import VariantSpec, check_eps
 
 FP8 = torch.float8_e4m3fn
 
@@ -51,17 +51,22 @@ _library.define(
     "Tensor? scale_ub, Tensor(c!)? residual, int group_size, bool is_scale_transposed, bool scale_ue8m0=False) -> ()"
 )
 
-_BUNDLES = {}
-
-
 def use_bundle(bundle) -> Optional[str]:
-    """Route CUDA calls of this bundle's variants to it (later registrations win), through
-    the C++ ops where this torch can load them; returns why not, or None when it does."""
-    for name in bundle.names():
-        _BUNDLES[name] = bundle
+    """Route CUDA calls of this bundle's variants to it (``serving.serve``: later registrations
+    win), through the C++ ops where this torch can load them; returns why not, or None when it does."""
+    reason = serving.serve(bundle, torch.cuda.is_available())
     _KERNELS.clear()
     _per_block_variant.cache_clear()
-    return native.activate(bundle) if torch.cuda.is_available() else "no CUDA device"
+    return reason
+
+
+def _served_bundle(name: str):
+    """The bundle serving ``name``; before any is served, the default bundle (opened and served)."""
+    bundle = serving.bundle_for(name)
+    if bundle is None:
+        bundle = open_bundle()
+        use_bundle(bundle)
+    return bundle
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,16 +90,13 @@ class Kernel:
         #: A bundle entry point checks dtypes, shapes and devices itself (codegen/row_views.cuh).
         self.checks_natively = checks_natively
         self.dtype = reference.TORCH_DTYPES[spec.dtype]
-        self.scale_dtype = torch.int32 if spec.format == "ue8m0_packed" else torch.float32
+        self.scale = spec.scale
+        self.scale_dtype = torch.int32 if self.scale.element == "int32" else torch.float32
 
     def scales(self, rows: int, hidden: int, device) -> torch.Tensor:
-        """``reference.empty_scales``, without its per-call spec arithmetic."""
-        groups = hidden // self.spec.group
-        cols = (groups + 3) // 4 if self.spec.format == "ue8m0_packed" else groups
-        if self.spec.layout == "row":
-            return torch.empty((rows, cols), dtype=self.scale_dtype, device=device)
-        padded = -(-rows // TMA_ALIGN_ROWS) * TMA_ALIGN_ROWS
-        return torch.empty_strided((rows, cols), (1, padded), dtype=self.scale_dtype, device=device)
+        """``reference.empty_scales``, from the layout record looked up once."""
+        shape, strides, _, _ = self.scale.geometry(rows, hidden // self.spec.group)
+        return torch.empty_strided(shape, strides, dtype=self.scale_dtype, device=device)
 
     def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None, residual_out=None):
         """(q, scales), written into the given buffers or into new ones.
@@ -160,10 +162,7 @@ def _kernel_of(variant: str, x: torch.Tensor) -> Kernel:
 
 def _load_kernel(spec: VariantSpec, device: torch.device) -> Kernel:
     if device.type == "cuda":
-        bundle = _BUNDLES.get(spec.name)
-        if bundle is None:
-            bundle = open_bundle()
-            use_bundle(bundle)
+        bundle = _served_bundle(spec.name)
         bundle.check_device(torch.cuda.get_device_capability(device))
         return Kernel(spec, bundle.function(spec.name), checks_natively=True)
     if device.type == "cpu":
@@ -285,13 +284,21 @@ def _add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=None):
 
 @functools.lru_cache(maxsize=None)
 def _per_block_variant(dtype: torch.dtype, hidden: int, group_size: int, residual: bool, col: bool, ue8m0: bool, scale_ub: bool, device_type: str) -> str:
-    """vLLM's arguments -> our variant: the static-K kernel where the bundle has it, else dynamic-K."""
+    """vLLM's arguments -> our variant: ``serving.choose`` on the bundle serving the static-K
+    kernel, else the dynamic-K one (the default bundle before any is served); on CPU the
+    static spec, which the llvm build or the reference runs."""
     if dtype not in reference.DTYPE_NAMES:
         raise TypeError(f"input.dtype={dtype} is not supported; accepted: {sorted(map(str, reference.DTYPE_NAMES))}")
     layout, fmt = "col" if col else "row", "ue8m0" if ue8m0 else "fp32"
-    spec = VariantSpec(reference.DTYPE_NAMES[dtype], None, group_size, residual, layout, fmt, scale_ub=scale_ub)
-    static = spec.with_hidden(hidden)
-    return static.name if static.name in _BUNDLES or device_type != "cuda" else spec.name
+    static = VariantSpec(reference.DTYPE_NAMES[dtype], hidden, group_size, residual, layout, fmt, scale_ub=scale_ub)
+    if device_type != "cuda":
+        return static.name
+    dynamic = static.with_hidden(None)
+    bundle = serving.bundle_for(static.name) or _served_bundle(dynamic.name)
+    chosen, why = serving.choose(static, bundle)
+    if chosen is None:
+        raise ValueError(f"no kernel runs {static.name}: " + "; ".join(f"{c.name}: {c.reason}" for c in why))
+    return chosen.name
 
 
 def _rms_norm_per_block_quant(result, input, weight, scale, epsilon, scale_ub, residual, group_size, is_scale_transposed, scale_ue8m0=False):
@@ -309,10 +316,10 @@ def _rms_norm_per_block_quant(result, input, weight, scale, epsilon, scale_ub, r
             f"got {tuple(result.shape)} {result.dtype} strides {result.stride()} on {result.device}"
         )
     shape = (rows, hidden // group_size)
-    refusal = None if scale.dim() != 2 else scale_strides_refusal(spec.layout, shape, scale.stride())
+    refusal = None if scale.dim() != 2 else spec.scale.strides_refusal(shape, scale.stride())
     if tuple(scale.shape) != shape or refusal is not None or scale.dtype != torch.float32 or scale.device != input.device:
         raise ValueError(
-            f"scale must be {shape} float32 on {input.device} with {refusal or scale_strides_refusal(spec.layout, shape, (0, 0)) or 'any strides'} "
+            f"scale must be {shape} float32 on {input.device} with {refusal or spec.scale.strides_refusal(shape, (0, 0)) or 'any strides'} "
             f"(is_scale_transposed={is_scale_transposed}), got {tuple(scale.shape)} {scale.dtype} strides {scale.stride()} on {scale.device}"
         )
     _kernel_of(variant, input)(input, weight, epsilon, result, scale, residual, scale_ub)

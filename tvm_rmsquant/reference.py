@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .spec import FP8_MAX, MIN_SCALE, VariantSpec, num_groups, scale_geometry
+from .spec import VariantSpec, num_groups, scale_geometry
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: torch dtype -> the spec's dtype name.
@@ -63,7 +63,7 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
 
 def scales_fp32(scales: torch.Tensor, spec: VariantSpec, hidden: int) -> torch.Tensor:
     """The per-group fp32 scales, [M, K/G], whatever the variant's format."""
-    if spec.format == "ue8m0_packed":
+    if spec.scale.packed:
         return unpack_ue8m0(scales, num_groups(hidden, spec.group))
     return scales.float()
 
@@ -101,14 +101,15 @@ def group_quant(y: torch.Tensor, spec: VariantSpec, scale_ub: Optional[torch.Ten
         # A cap that is not > 0 (or NaN) cannot give a valid scale: every scale is NaN.
         ub = scale_ub.float().reshape(())
         absmax = torch.where(ub > 0, torch.minimum(absmax, ub), torch.full_like(absmax, float("nan")))
-    scale = torch.clamp(absmax / FP8_MAX, min=MIN_SCALE)
-    if spec.pow2_scales:
+    traits = spec.scale.traits
+    scale = torch.clamp(absmax / traits.qmax, min=traits.min_scale)
+    if traits.pow2:
         scale = round_up_pow2(scale)
 
-    q = torch.clamp(grouped / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, hidden)
+    q = torch.clamp(grouped / scale.unsqueeze(-1), -traits.qmax, traits.qmax).to(torch.float8_e4m3fn).view(rows, hidden)
 
-    scales = pack_ue8m0(scale) if spec.format == "ue8m0_packed" else scale
-    if spec.layout == "row":
+    scales = pack_ue8m0(scale) if spec.scale.packed else scale
+    if not spec.scale.column_major:
         return q, empty_scales(spec, rows, hidden, y.device).copy_(scales)
     # Out of place: a copy_ into the padded col buffer makes Dynamo guard on
     # round_up(M, 4) == M, so a model compiled with a symbolic M compiled M % 4 == 0 apart.

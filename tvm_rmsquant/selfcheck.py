@@ -9,7 +9,8 @@ import torch
 
 from . import cpu, launch, reference
 from .checks import compare, random_inputs
-from .spec import FORMATS, VariantSpec
+from .scale_layout import FORMATS
+from .spec import VariantSpec
 
 
 def self_check_specs(hidden: Sequence[int]):

@@ -13,26 +13,16 @@ import json
 import re
 from typing import Optional
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-LAYOUTS = ("row", "col")
-FORMATS = ("fp32", "ue8m0", "ue8m0_packed")
-OUT_DTYPES = ("float8_e4m3fn",)
+from .scale_layout import ScaleLayout, choice_error, round_up, scale_layout
 
-FP8_MAX = 448.0
-#: The smallest scale: keeps an all-zero group finite (q = 0) and matches vLLM's floor.
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-#: Column-major scale rows are padded to this many for TMA's 16-byte alignment.
-TMA_ALIGN_ROWS = 4
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+OUT_DTYPES = ("float8_e4m3fn",)
 
 _NAME_RE = re.compile(
     r"^(?P<dtype>bf16|fp16|fp32)_k(?P<hidden>\d+|dyn)_g(?P<group>\d+)"
     r"(?P<residual>_res)?_(?P<layout>row|col)_(?P<format>ue8m0_packed|ue8m0|fp32)"
     r"(?P<scale_ub>_ub)?$"
 )
-
-
-def round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
 
 
 def check_eps(eps) -> None:
@@ -44,10 +34,6 @@ def check_eps(eps) -> None:
     as_fp32 = ctypes.c_float(eps).value
     if not 0.0 < as_fp32 < float("inf"):
         raise ValueError(f"eps={eps!r} must be positive and finite in fp32 (it is {as_fp32!r} there), such as 1e-6")
-
-
-def _choice_error(argument: str, value, accepted) -> ValueError:
-    return ValueError(f"{argument}={value!r} is not supported; accepted: {', '.join(map(repr, accepted))}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +55,10 @@ class VariantSpec:
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
-            raise _choice_error("dtype", self.dtype, DTYPES)
-        if self.layout not in LAYOUTS:
-            raise _choice_error("layout", self.layout, LAYOUTS)
-        if self.format not in FORMATS:
-            raise _choice_error("format", self.format, FORMATS)
+            raise choice_error("dtype", self.dtype, DTYPES)
+        scale_layout(self.layout, self.format)  # refuses an unknown layout, format or pair
         if self.out_dtype not in OUT_DTYPES:
-            raise _choice_error("out_dtype", self.out_dtype, OUT_DTYPES)
+            raise choice_error("out_dtype", self.out_dtype, OUT_DTYPES)
         for flag in ("residual", "scale_ub"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag}={getattr(self, flag)!r} must be a bool")
@@ -89,11 +72,6 @@ class VariantSpec:
                     f"hidden={self.hidden} is not divisible by group={self.group}; "
                     f"use a group that divides it, or hidden={round_up(self.hidden, self.group)}"
                 )
-        if self.format == "ue8m0_packed" and self.layout != "col":
-            raise ValueError(
-                f"format='ue8m0_packed' needs layout='col' (got layout={self.layout!r}); "
-                "packed scales exist only for the column-major TMA layout"
-            )
 
     # -- naming -------------------------------------------------------------------------------
 
@@ -158,8 +136,13 @@ class VariantSpec:
         return self.hidden is None
 
     @property
+    def scale(self) -> ScaleLayout:
+        """The scale layout record (``tvm_rmsquant.scale_layout``): geometry and quant traits."""
+        return scale_layout(self.layout, self.format)
+
+    @property
     def pow2_scales(self) -> bool:
-        return self.format in ("ue8m0", "ue8m0_packed")
+        return self.scale.traits.pow2
 
     def accepts_hidden(self, hidden: int) -> Optional[str]:
         """None when this variant can run rows of ``hidden`` elements; otherwise why not."""
@@ -167,8 +150,10 @@ class VariantSpec:
             return None if hidden == self.hidden else f"built for hidden={self.hidden}, not {hidden}"
         if hidden <= 0 or hidden % self.group:
             return f"hidden={hidden} is not a positive multiple of group={self.group}"
-        if self.format == "ue8m0_packed" and hidden % (4 * self.group):
-            return f"the dynamic-K packed kernel needs hidden % {4 * self.group} == 0 (whole UE8M0 words), got {hidden}"
+        words = self.scale.groups_refusal(hidden // self.group)
+        if words is not None:
+            multiple = self.scale.groups_per_word * self.group
+            return f"the dynamic-K {self.format} kernel needs hidden % {multiple} == 0 ({words}), got {hidden}"
         return None
 
     def with_hidden(self, hidden: Optional[int]) -> "VariantSpec":
@@ -180,44 +165,9 @@ def num_groups(hidden: int, group: int) -> int:
 
 
 def scale_geometry(spec: VariantSpec, rows: int, hidden: Optional[int] = None):
-    """(shape, strides, storage rows, dtype name) of the scale tensor for ``rows`` tokens.
-
-    ``row``: [M, K/G] contiguous.  ``col``: logical [M, K/G] with strides (1, round_up(M, 4)),
-    stored as [K/G, round_up(M, 4)].  ``ue8m0_packed``: int32 [M, ceil(K/G/4)], col strides.
-    """
+    """(shape, strides, storage rows, dtype name) of ``spec``'s scales for ``rows`` tokens
+    (``ScaleLayout.geometry``; K from the spec unless given)."""
     hidden = spec.hidden if hidden is None else hidden
     if hidden is None:
         raise ValueError("scale_geometry of a dynamic-K spec needs hidden=")
-    groups = num_groups(hidden, spec.group)
-    if spec.format == "ue8m0_packed":
-        cols, dtype = (groups + 3) // 4, "int32"
-    else:
-        cols, dtype = groups, "float32"
-    if spec.layout == "row":
-        return (rows, cols), (cols, 1), rows, dtype
-    padded = round_up(rows, TMA_ALIGN_ROWS)
-    return (rows, cols), (1, padded), padded, dtype
-
-
-def scale_strides_refusal(layout: str, shape, strides) -> Optional[str]:
-    """None when the kernels can write a scale tensor of logical ``shape`` [M, C] and
-    ``strides`` in ``layout``; else the strides they take.
-
-    ``row``: contiguous. ``col``: (1, ld) with any ld >= M. The kernels read ld from the
-    tensor, so TMA's round_up(M, 4) (``scale_geometry``'s allocation, what DeepGEMM and
-    cuBLAS read) and vLLM's unpadded (1, M) (what its fusion pass allocates when M % 4 != 0,
-    and all torch 2.11's BlockWise1x128 ``scaled_mm`` takes) both work. With M = 0 nothing
-    is written and any strides do. Strides are checked even where a dimension has size 1:
-    the kernels' argument binder checks them (the col buffer is declared (1, ld)).
-    """
-    rows, cols = shape
-    if rows == 0:
-        return None
-    if layout == "row":
-        if tuple(strides) == (cols, 1):
-            return None
-        return f"row-major strides ({cols}, 1)"
-    if strides[0] == 1 and strides[1] >= rows:
-        return None
-    examples = sorted({rows, round_up(rows, TMA_ALIGN_ROWS)})
-    return f"column-major strides (1, ld) with ld >= M={rows}, such as " + " or ".join(f"(1, {ld})" for ld in examples)
+    return spec.scale.geometry(rows, num_groups(hidden, spec.group))

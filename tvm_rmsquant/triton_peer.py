@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from .reference import TORCH_DTYPES
-from .spec import FP8_MAX, MIN_SCALE, VariantSpec
+from .scale_layout import FP8_MAX, MIN_SCALE
+from .spec import VariantSpec
 
 _TL_DTYPES = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -52,7 +53,7 @@ def _fused_kernel(
 def rms_norm_group_quant_triton(spec: VariantSpec, x, weight, eps, q, scales, residual=None, residual_out=None) -> None:
     rows, hidden = x.shape
     groups = hidden // spec.group
-    assert x.dtype == TORCH_DTYPES[spec.dtype] and spec.format != "ue8m0_packed"
+    assert x.dtype == TORCH_DTYPES[spec.dtype] and not spec.scale.packed
     padded = triton.next_power_of_2(groups)
     _fused_kernel[(rows,)](
         x, residual if residual is not None else x, weight, q, scales, residual_out if residual_out is not None else x,

@@ -121,7 +121,7 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
     short keeps what it measured."""
     import torch
 
-    from .bench import copy_ceiling, cpu_oracle, input_copies, kernel_call, op_bytes, point_inputs, time_call
+    from .timing import copy_ceiling, cpu_oracle, input_copies, kernel_call, op_bytes, point_inputs, time_call
     from .checks import compare
 
     candidates = bundle.candidates()
