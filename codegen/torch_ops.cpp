@@ -42,10 +42,11 @@ using torch::stable::Tensor;
 // The scale layout record of tvm_rmsquant/scale_layout.py (ScaleLayout.cxx_record), as
 // received: this file interprets it and keeps no layout facts of its own.
 struct ScaleLayout {
-  int64_t element;          // ELEMENT_CODES: 0 float32, 1 int32
+  int64_t element;          // ELEMENTS' codes: 0 float32, 1 int32, 2 float8_e8m0fnu
   int64_t groups_per_word;  // groups per element (4 for packed UE8M0)
   bool column_major;        // strides (1, round_up(M, row_align))
   int64_t row_align;
+  int64_t column_align;     // > 1: tiled, a zero-filled [round_up(M, row_align), round_up(C, column_align)]
 };
 
 // What a call needs to know of one variant: its entry point, and the scale geometry.
@@ -64,13 +65,13 @@ std::mutex registry_mutex;
 std::unordered_map<std::string, std::shared_ptr<const Variant>> registry;
 
 int64_t register_variant(tvm::ffi::String name, tvm::ffi::Function entry, int64_t group, int64_t element,
-                         int64_t groups_per_word, bool column_major, int64_t row_align, bool residual, bool scale_ub,
-                         tvm::ffi::String capabilities) {
-  if ((element != 0 && element != 1) || groups_per_word < 1 || row_align < 1) {
+                         int64_t groups_per_word, bool column_major, int64_t row_align, int64_t column_align, bool residual,
+                         bool scale_ub, tvm::ffi::String capabilities) {
+  if (element < 0 || element > 2 || groups_per_word < 1 || row_align < 1 || column_align < 1) {
     throw std::invalid_argument("register_variant: " + std::string(name) + " has a scale layout this library cannot allocate");
   }
   auto variant = std::make_shared<const Variant>(Variant{std::move(entry), group,
-                                                         ScaleLayout{element, groups_per_word, column_major, row_align},
+                                                         ScaleLayout{element, groups_per_word, column_major, row_align, column_align},
                                                          residual, scale_ub, std::string(capabilities)});
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry[std::string(name)] = std::move(variant);
@@ -239,19 +240,28 @@ struct Output {
   }
 };
 
+// torch's dtype code (c10::ScalarType) of float8_e8m0fnu: the stable ABI declares
+// aoti_torch_dtype_float8_e8m0fnu() only from torch 2.12, and this library targets 2.10.
+constexpr int32_t kFloat8E8m0fnu = 44;
+
 // The scales of ``rows`` rows: reference.empty_scales's shape, strides and dtype.
 void emplace_scales(std::optional<Output>& scales, const Variant& variant, int64_t rows, int64_t hidden, int32_t device_index) {
   const ScaleLayout& layout = variant.scale;
   const int64_t groups = hidden / variant.group;
   const int64_t cols = (groups + layout.groups_per_word - 1) / layout.groups_per_word;
-  const bool int32 = layout.element == 1;
-  const int32_t dtype = int32 ? aoti_torch_dtype_int32() : aoti_torch_dtype_float32();
-  const DLDataType dlpack = int32 ? DLDataType{kDLInt, 32, 1} : DLDataType{kDLFloat, 32, 1};
-  if (!layout.column_major) {
-    scales.emplace(rows, cols, cols, 1, dtype, dlpack, device_index);
+  const int64_t padded = (rows + layout.row_align - 1) / layout.row_align * layout.row_align;
+  static const int32_t dtypes[] = {aoti_torch_dtype_float32(), aoti_torch_dtype_int32(), kFloat8E8m0fnu};
+  static const DLDataType dlpack[] = {{kDLFloat, 32, 1}, {kDLInt, 32, 1}, {kDLFloat8_e8m0fnu, 8, 1}};
+  const int32_t dtype = dtypes[layout.element];
+  if (layout.column_align > 1) {
+    // Tiled: the kernels write only the rows and groups there are; the padding reads as zero.
+    const int64_t width = (cols + layout.column_align - 1) / layout.column_align * layout.column_align;
+    scales.emplace(padded, width, width, 1, dtype, dlpack[layout.element], device_index);
+    torch::stable::zero_(scales->tensor);
+  } else if (!layout.column_major) {
+    scales.emplace(rows, cols, cols, 1, dtype, dlpack[layout.element], device_index);
   } else {
-    const int64_t padded = (rows + layout.row_align - 1) / layout.row_align * layout.row_align;
-    scales.emplace(rows, cols, 1, padded, dtype, dlpack, device_index);
+    scales.emplace(rows, cols, 1, padded, dtype, dlpack[layout.element], device_index);
   }
 }
 

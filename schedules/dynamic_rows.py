@@ -14,10 +14,6 @@ from tvm_rmsquant.spec import VariantSpec
 
 from .base import MIN_BLOCKS_PER_SM, Knobs, ScheduleRule
 
-#: Packed UE8M0 words hold four groups; the group loop is split by this.
-WORD_GROUPS = 4
-
-
 class DynamicRows(ScheduleRule):
     name = "dynamic_rows"
 
@@ -45,7 +41,7 @@ class DynamicRows(ScheduleRule):
         knobs = self.validate(spec, knobs)
         vector, rows = knobs["vector"], knobs["rows_per_block"]
         lanes = spec.group // vector
-        packed = spec.scale.packed
+        encoded, per_word = spec.scale.encoded, spec.scale.groups_per_word
         from tvm import s_tir  # build time only: the rule's space and checks need no TVM
 
         sch = s_tir.Schedule(func)
@@ -62,7 +58,7 @@ class DynamicRows(ScheduleRule):
         sch.compute_inline(block("ratio"))
         q_store = sch.cache_write(block("q"), 0, "local")
         residual_store = sch.cache_write(block("residual"), 0, "local") if spec.residual else None
-        if packed:
+        if encoded:
             scale_store = None
             sch.set_scope(block("scale"), 0, "local")
         else:
@@ -94,8 +90,8 @@ class DynamicRows(ScheduleRule):
         if scale_store is not None:
             group_loops.append(sch.get_loops(scale_store)[-1])
         group_loops += [sch.get_loops(block("q"))[-2], sch.get_loops(q_store)[-2]]
-        if packed:
-            group_loops = [sch.split(loop, [None, WORD_GROUPS])[0] for loop in group_loops]
+        if encoded:
+            group_loops = [sch.split(loop, [None, per_word])[0] for loop in group_loops]
             group_loops.append(sch.get_loops(block("scales"))[-1])
         _merge(sch, group_loops)
         bind_lanes(sch.get_loops(block("absmax"))[-1], vectorize=False)

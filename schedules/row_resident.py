@@ -109,7 +109,7 @@ class RowResident(ScheduleRule):
         # cannot be moved under the row loop, and the copy out vectorizes.
         q_store = sch.cache_write(block("q"), 0, "local")
         residual_store = sch.cache_write(block("residual"), 0, "local") if spec.residual else None
-        if spec.scale.packed:
+        if spec.scale.encoded:
             scale_store = None
             sch.set_scope(block("scale"), 0, "local")
         else:
@@ -148,7 +148,7 @@ class RowResident(ScheduleRule):
         if scale_store is not None:
             sch.unroll(bind_groups(sch.get_loops(scale_store)[-1])[1])
         else:
-            # Thread row ty writes the packed words of its own groups.
+            # Thread row ty writes the encoded elements (packed words, bytes) of its own groups.
             ty, c = sch.split(sch.get_loops(block("scales"))[-1], [thread_rows, None])
             sch.bind(ty, "threadIdx.y")
             sch.unroll(c)

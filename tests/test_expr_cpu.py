@@ -29,16 +29,26 @@ LAYOUT_FORMATS = (("row", "fp32"), ("row", "ue8m0"), ("col", "fp32"), ("col", "u
 AGREEMENTS = []
 
 
+#: MXFP8 (cuBLAS's tiles of E8M0 bytes) is defined for G = 32 only.
+MX_FORMATS = (("tiled", "mxfp8"), ("tiled", "mxfp8_ocp"))
+
+
 def _static_cases():
     for hidden, dtype, group, residual, (layout, fmt) in itertools.product(HIDDEN, ("bf16", "fp16", "fp32"), (64, 128), (False, True), LAYOUT_FORMATS):
         yield VariantSpec(dtype, hidden, group, residual, layout, fmt)
+    for hidden, dtype, residual, (layout, fmt) in itertools.product(HIDDEN, ("bf16", "fp16", "fp32"), (False, True), MX_FORMATS):
+        yield VariantSpec(dtype, hidden, 32, residual, layout, fmt)
     for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (False, True), LAYOUT_FORMATS):
         yield VariantSpec(dtype, 1024, 128, residual, layout, fmt, scale_ub=True)
+    for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (False, True), MX_FORMATS):
+        yield VariantSpec(dtype, 1024, 32, residual, layout, fmt, scale_ub=True)
 
 
 def _dynamic_cases():
     for dtype, group, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (64, 128), (False, True), LAYOUT_FORMATS):
         yield VariantSpec(dtype, None, group, residual, layout, fmt)
+    for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (False, True), MX_FORMATS):
+        yield VariantSpec(dtype, None, 32, residual, layout, fmt)
 
 
 def _check(spec, hidden):

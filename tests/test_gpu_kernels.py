@@ -8,6 +8,7 @@ the byte order of packed words.
 
 from __future__ import annotations
 
+import mx_tiles
 import pytest
 import torch
 
@@ -34,7 +35,11 @@ def run_bundle_kernel(bundle, spec, inputs, eps=1e-6):
     rows, hidden = x.shape
     q = torch.full((rows, hidden), float("nan"), dtype=torch.float32, device="cuda").to(torch.float8_e4m3fn)
     scales = reference.empty_scales(spec, rows, hidden, "cuda")
-    scales.view(torch.int32).fill_(-1) if scales.dtype == torch.int32 else scales.fill_(float("nan"))
+    if spec.scale.tiled:  # 0xFF (NaN) where the kernel must write, the zero padding kept
+        poison = torch.full((rows, hidden // spec.group), float("nan"), device="cuda")
+        scales.copy_(reference.laid_out(poison, spec, hidden))
+    else:
+        scales.view(torch.int32).fill_(-1) if scales.dtype == torch.int32 else scales.fill_(float("nan"))
     residual_out = torch.full_like(x, float("nan")) if spec.residual else None
     launch.run(bundle.function(spec.name), spec, x, inputs["weight"], eps, q, scales, inputs["residual"], residual_out, inputs["scale_ub"])
     torch.cuda.synchronize()
@@ -44,6 +49,16 @@ def run_bundle_kernel(bundle, spec, inputs, eps=1e-6):
 def check_layout(spec: VariantSpec, scales: torch.Tensor, rows: int, hidden: int):
     groups = hidden // spec.group
     cols = (groups + 3) // 4 if spec.format == "ue8m0_packed" else groups
+    if spec.layout == "tiled":
+        padded_cols = round_up(groups, 4)
+        assert tuple(scales.shape) == (round_up(rows, 128), padded_cols) and scales.is_contiguous()
+        assert scales.dtype == torch.float8_e8m0fnu
+        matrix = torch.tensor([[mx_tiles.offset(row, col, padded_cols) for col in range(groups)] for row in range(rows)])
+        flat = scales.view(torch.uint8).flatten().cpu()
+        exponents = (reference.scales_fp32(scales, spec, hidden, rows).cpu().view(torch.int32) >> 23) & 0xFF
+        assert torch.equal(flat[matrix].to(torch.int32), exponents), "scale (r, c) must sit where cuBLAS reads it"
+        assert torch.equal(flat, mx_tiles.swizzle(flat[matrix])), "the padding must stay zero"
+        return
     assert tuple(scales.shape) == (rows, cols)
     if spec.layout == "row":
         assert scales.stride() == (cols, 1)

@@ -101,7 +101,8 @@ def compare(spec: VariantSpec, got, want, hidden: int) -> Agreement:
     q, scales, residual = got
     q_ref, scales_ref, residual_ref = want
     q, q_ref = q.cpu(), q_ref.cpu()
-    ours, ref = scales_fp32(scales.cpu(), spec, hidden), scales_fp32(scales_ref.cpu(), spec, hidden)
+    rows = q.shape[0]
+    ours, ref = scales_fp32(scales.cpu(), spec, hidden, rows), scales_fp32(scales_ref.cpu(), spec, hidden, rows)
 
     q_float, q_ref_float = q.float(), q_ref.float()
     nan_codes, nan_codes_ref = torch.isnan(q_float), torch.isnan(q_ref_float)
@@ -109,7 +110,6 @@ def compare(spec: VariantSpec, got, want, hidden: int) -> Agreement:
     # A UE8M0 group whose scale legitimately differs by one power of two has every code
     # shifted by 8: its codes are judged by their dequantized values instead, against one
     # fp8 step at the coarser scale. (fp32 scales differ by ulps; codes compare directly.)
-    rows = q.shape[0]
     if rows and spec.pow2_scales:
         same_scale = ((ours == ref) | (torch.isnan(ours) & torch.isnan(ref))).repeat_interleave(spec.group, dim=1)
     else:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-import torch
-
-from . import launch
-from .spec import VariantSpec, scale_geometry
+from . import launch, reference
+from .scale_layout import round_up
+from .spec import VariantSpec
 
 #: Elements per CPU launch. The llvm build is the unscheduled tensor expression, whose
 #: stages materialize fp32 [M, K] buffers (the reference's temporaries are the same), so one
@@ -50,15 +49,16 @@ def by_row_chunks(spec: VariantSpec, function):
     def call(*args):
         rows, hidden = args[0].shape
         step = max(1, CHUNK_ELEMENTS // max(hidden, 1))
+        if spec.scale.tiled:  # a block of rows owns whole tiles of the scales' storage
+            step = round_up(step, spec.scale.row_align)
         if rows <= step:
             return function(*args)
         scales = args[scales_at]
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             part = [arg[start:stop] if kind == launch.ROWS else arg for arg, kind in zip(args, kinds)]
-            shape, strides, _, _ = scale_geometry(spec, stop - start, hidden)
-            part[scales_at] = torch.empty_strided(shape, strides, dtype=scales.dtype)
+            part[scales_at] = reference.empty_scales(spec, stop - start, hidden, scales.device)
             function(*part)
-            scales[start:stop].copy_(part[scales_at])
+            scales[start : start + part[scales_at].shape[0]].copy_(part[scales_at])
 
     return call

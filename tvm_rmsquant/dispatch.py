@@ -28,6 +28,8 @@ CONSUMERS = {
     "deepgemm_sm90_ue8m0": ("col", "ue8m0"),
     "deepgemm_sm100": ("col", "ue8m0_packed"),
     "cublas_blockwise": ("col", "fp32"),
+    # cuBLAS MXFP8 (torch's scaled_mm, BlockWise1x32 with SWIZZLE_32_4_4; Blackwell): G = 32.
+    "cublas_mxfp8": ("tiled", "mxfp8"),
     "triton": ("row", "fp32"),
     "row": ("row", "fp32"),
 }

@@ -13,9 +13,11 @@ Stages, by block name (schedules find them by these names and never restate the 
     y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))
     absmax     max over each group of bits(|y|)        NaN-propagating, see below
     scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0; NaN if ub <= 0
+               (or the OCP MX rule: the record's ``QuantTraits.rounding``)
     ratio      y / scale, correctly rounded (``quotient``)
     q          float8_e4m3fn(clamp(ratio, -448, 448))
-    scales     the scale write: ``scale`` itself, or the packed UE8M0 words
+    scales     the scale write: ``scale`` itself, or its E8M0 bytes (packed four to a word, or
+               one per byte in cuBLAS's tiles: ``_with_tiled_storage``)
 
 The group absmax is reduced on the IEEE bit pattern of |y| as int32: for non-negative
 floats it orders like the value, and a NaN orders above every number, so NaN reaches
@@ -34,6 +36,7 @@ from typing import Dict, List
 import tvm
 from tvm import te, tirx
 
+from .scale_layout import TILE_COLUMNS, TILE_ROWS, TILE_STRIP
 from .spec import VariantSpec
 
 F32 = "float32"
@@ -168,6 +171,17 @@ def round_up_pow2(scale):
     return tirx.Select(tirx.isnan(scale), scale, rounded)
 
 
+def ocp_scale(amax, traits):
+    """The OCP MX scale of a non-negative absmax (``scale_layout.ROUNDINGS``), on its bits:
+    2^(floor(log2(max(a, qmax * min_scale))) - emax); NaN for an inf or NaN absmax."""
+    least = _f32(traits.qmax * traits.min_scale)
+    floored = tirx.Select(amax < least, least, amax)  # NaN is not < anything: it stays NaN
+    bits = tirx.reinterpret("uint32", floored)
+    exponent = (bits >> _u32(23)) & _u32(0xFF)
+    scale = tirx.reinterpret(F32, (exponent - _u32(traits.emax)) << _u32(23))
+    return tirx.Select(exponent == _u32(0xFF), tirx.reinterpret(F32, _u32(0x7FC00000)), scale)
+
+
 def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     """Build the TE graph of ``spec``.
 
@@ -191,7 +205,7 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
         groups = words * per_word
     else:
         groups = te.var("groups", "int64")
-        words = None
+        words = groups
     hidden = groups * group
     eps = te.var("eps", F32)
 
@@ -247,9 +261,11 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
             # A cap that is not > 0 (or NaN) cannot give a valid scale: NaN, as in the reference.
             capped = _let("amax", amax, lambda a: tirx.Select(a > ub[0], ub[0], a))
             amax = tirx.Select(ub[0] > _f32(0.0), capped, tirx.reinterpret(F32, _u32(0x7FC00000)))
+        if traits.rounding == "ocp":
+            return _let("a", amax, lambda a: ocp_scale(a, traits))
         floor = _f32(traits.min_scale)
         floored = _let("s", amax / qmax, lambda s: tirx.Select(s < floor, floor, s))
-        return _let("s", floored, round_up_pow2) if traits.pow2 else floored
+        return _let("s", floored, round_up_pow2) if traits.rounding == "up" else floored
 
     scale = te.compute((rows, groups), group_scale, name="scale")
 
@@ -265,18 +281,21 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
 
     q = te.compute(shape, quantize, name="q")
 
-    if layout.packed:
+    if layout.encoded:
 
-        def pack(m, j):
+        def encode(m, j):
+            """The element of scales[m, j]: the E8M0 exponent bytes of its groups, little-endian."""
             word = tirx.const(0, "uint32")
             for byte in range(per_word):
                 g = j * per_word + byte
                 # Groups past the last are padding bytes: 0. if_then_else never reads them.
-                bits = tirx.if_then_else(g < groups, tirx.reinterpret("uint32", scale[m, g]), _u32(0))
+                bits = tirx.if_then_else(g < groups, tirx.reinterpret("uint32", scale[m, g]), _u32(0)) if per_word > 1 else tirx.reinterpret("uint32", scale[m, g])
                 word = word | (((bits >> _u32(23)) & _u32(0xFF)) << _u32(8 * byte))
-            return tirx.reinterpret("int32", word)
+            if layout.element_bytes == 4:
+                return tirx.reinterpret(layout.element, word)
+            return tirx.reinterpret(layout.element, word.astype("uint8"))
 
-        scales = te.compute((rows, words), pack, name="scales")
+        scales = te.compute((rows, words), encode, name="scales")
     else:
         scales = scale
 
@@ -317,6 +336,50 @@ def _with_padded_col_strides(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
     return tvm.script.from_source(source)
 
 
+def _with_tiled_storage(func: tirx.PrimFunc, fused: FusedExpr) -> tirx.PrimFunc:
+    """Store the scales in the record's tile order: the parameter is the [round_up(M, 128),
+    round_up(C, 4)] tensor a caller holds, written through a 5-D view of the same memory at
+    ``tile_coordinates``.
+
+    ``te.create_prim_func`` cannot declare that, and ``transform_layout`` needs one index
+    dtype for the whole buffer (int64 columns then break the rules' int32 splits), so the
+    function is printed, the parameter given the caller's 2-D shape (the argument binder
+    checks it), the view declared on its data, each write moved to its tile coordinates,
+    and the text parsed back.
+    """
+    layout, name = fused.spec.scale, fused.tensors["scales"].op.name
+    source = func.script()
+    head = f"{name}: T.Buffer("
+    start = source.find(head)
+    if start < 0 or source.find(head, start + 1) >= 0:
+        raise RuntimeError(f"could not find parameter {name!r} to give its tiled storage")
+    depth, end = 0, start + len(head) - 1
+    for end in range(end, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    columns = fused.tensors["scales"].shape[1]
+    static = isinstance(columns, tirx.IntImm)
+    columns_text = f"T.int64({columns})" if static else columns.name
+    row_tiles = f"({fused.rows.name} + T.int64({TILE_ROWS - 1})) // T.int64({TILE_ROWS})"
+    column_tiles = f"({columns_text} + T.int64({TILE_COLUMNS - 1})) // T.int64({TILE_COLUMNS})"
+    inner = ", ".join(f"T.int64({extent})" for extent in (TILE_STRIP, TILE_ROWS // TILE_STRIP, TILE_COLUMNS))
+    dtype = f'"{layout.element}"'
+    declared = f"{head}({row_tiles} * T.int64({TILE_ROWS}), {column_tiles} * T.int64({TILE_COLUMNS})), {dtype})"
+    view = f"    {name}_tiles = T.decl_buffer(({row_tiles}, {column_tiles}, {inner}), {dtype}, data={name}.data)\n"
+
+    def tiled(match: "re.Match") -> str:
+        row, column = (part.strip() for part in match.group(1).split(","))
+        coordinates = layout.tile_coordinates(tirx.Var(row, "int64"), tirx.Var(column, "int32" if static else "int64").astype("int64"))
+        return f"{name}_tiles[{', '.join(str(coordinate) for coordinate in coordinates)}]"
+
+    body, count = re.subn(rf"\b{name}\[(\w+, \w+)\]", tiled, source[end + 1 :])
+    if count != 2:  # T.writes and the store of the one block that writes the scales
+        raise RuntimeError(f"expected the one write of {name!r} (T.writes and the store), found {count} accesses")
+    first = body.index("\n", body.index("T.func_attr(")) + 1
+    return tvm.script.from_source(source[:start] + declared + body[:first] + view + body[first:])
+
+
 def prim_func(spec: VariantSpec, portable_casts: bool = False) -> tirx.PrimFunc:
     """The unscheduled PrimFunc of ``spec`` named ``main``, with its scale layout declared."""
     fused = build(spec, portable_casts)
@@ -326,4 +389,6 @@ def prim_func(spec: VariantSpec, portable_casts: bool = False) -> tirx.PrimFunc:
         func = func.with_attr("tirx.noalias", False)
     if spec.scale.column_major:
         func = _with_padded_col_strides(func, fused.tensors["scales"].op.name)
+    if spec.scale.tiled:
+        func = _with_tiled_storage(func, fused)
     return func

@@ -91,11 +91,13 @@ class Kernel:
         self.checks_natively = checks_natively
         self.dtype = reference.TORCH_DTYPES[spec.dtype]
         self.scale = spec.scale
-        self.scale_dtype = torch.int32 if self.scale.element == "int32" else torch.float32
+        self.scale_dtype = reference.scale_dtype(spec)
 
     def scales(self, rows: int, hidden: int, device) -> torch.Tensor:
         """``reference.empty_scales``, from the layout record looked up once."""
         shape, strides, _, _ = self.scale.geometry(rows, hidden // self.spec.group)
+        if self.scale.tiled:
+            return torch.zeros(shape, dtype=self.scale_dtype, device=device)
         return torch.empty_strided(shape, strides, dtype=self.scale_dtype, device=device)
 
     def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None, residual_out=None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, List, Optional, Sequence
 
+from .scale_layout import MX_GROUP, RECORDS
 from .spec import VariantSpec
 
 #: Hidden sizes of real models (Llama, Qwen, Mistral, DeepSeek-V3's 7168, ...).
@@ -20,9 +21,14 @@ ALL_LAYOUTS = CONSUMER_LAYOUTS + (("row", "ue8m0"),)
 #: K, G = 128, fp32 scales in both layouts: 8 variants, so that every kernel the ops can be
 #: asked for is built, and so run by the GPU tests, without doubling the build.
 DEFAULT_SCALE_UB_LAYOUTS = (("row", "fp32"), ("col", "fp32"))
-#: The default's G = 32 kernels: packed UE8M0 only, which Blackwell DeepGEMM (``deepgemm_sm100``)
-#: also reads at group 32, for every default hidden size and dynamic K (36 variants).
-GROUP32_LAYOUTS = (("col", "ue8m0_packed"),)
+#: The default's G = 32 kernels, for every default hidden size and dynamic K (72 variants):
+#: packed UE8M0, which Blackwell DeepGEMM (``deepgemm_sm100``) also reads at group 32, and
+#: MXFP8 with its scale rounded up (``cublas_mxfp8``).
+GROUP32_LAYOUTS = (("col", "ue8m0_packed"), ("tiled", "mxfp8"))
+#: The all preset's G = 32 kernels add every other format defined for G = 32 (the OCP MX rule).
+ALL_GROUP32_LAYOUTS = GROUP32_LAYOUTS + tuple(
+    pair for pair, record in RECORDS.items() if record.group == MX_GROUP and pair not in GROUP32_LAYOUTS
+)
 PRESETS = ("default", "all")
 
 
@@ -50,7 +56,10 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     scale_ubs = (False,) if name == "default" else (False, True)
     dynamic = [(None, 128), (None, 64)]
     specs = _specs(dtypes, static + dynamic, layouts, scale_ubs)
+    group32 = [(k, 32) for k in hidden] + [(None, 32)]
     if name == "default":
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
-        specs += _specs(dtypes, [(k, 32) for k in hidden] + [(None, 32)], GROUP32_LAYOUTS, (False,))
+        specs += _specs(dtypes, group32, GROUP32_LAYOUTS, (False,))
+    else:
+        specs += _specs(dtypes, group32, ALL_GROUP32_LAYOUTS, scale_ubs)
     return sorted(set(specs), key=lambda spec: spec.name)

@@ -9,15 +9,17 @@ import torch
 
 from . import cpu, launch, reference
 from .checks import compare, random_inputs
-from .scale_layout import FORMATS
+from .scale_layout import RECORDS
 from .spec import VariantSpec
 
 
 def self_check_specs(hidden: Sequence[int]):
-    for k, dtype, residual, (layout, fmt) in itertools.product(
-        hidden, ("bf16", "fp16", "fp32"), (False, True), [("row", "fp32"), ("row", "ue8m0")] + [("col", f) for f in FORMATS]
-    ):
-        yield VariantSpec(dtype, k, 128 if k % 128 == 0 else 64, residual, layout, fmt)
+    """Every (layout, format) record, each dtype, with and without residual, at each K
+    (G = 128 where it divides K, else 64; a format defined for one group size at that size)."""
+    for k, dtype, residual, record in itertools.product(hidden, ("bf16", "fp16", "fp32"), (False, True), RECORDS.values()):
+        group = record.group or (128 if k % 128 == 0 else 64)
+        if k % group == 0:
+            yield VariantSpec(dtype, k, group, residual, record.layout, record.format)
 
 
 def run_cpu_kernel(spec: VariantSpec, inputs, eps: float = 1e-6):

@@ -13,14 +13,20 @@ import json
 import re
 from typing import Optional
 
-from .scale_layout import ScaleLayout, choice_error, round_up, scale_layout
+from .scale_layout import FORMATS, LAYOUTS, RECORDS, ScaleLayout, choice_error, round_up, scale_layout
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 OUT_DTYPES = ("float8_e4m3fn",)
 
+
+def _alternatives(names) -> str:
+    """A regex alternation of ``names``, longest first (so ue8m0_packed is not read as ue8m0)."""
+    return "|".join(sorted(names, key=len, reverse=True))
+
+
 _NAME_RE = re.compile(
-    r"^(?P<dtype>bf16|fp16|fp32)_k(?P<hidden>\d+|dyn)_g(?P<group>\d+)"
-    r"(?P<residual>_res)?_(?P<layout>row|col)_(?P<format>ue8m0_packed|ue8m0|fp32)"
+    rf"^(?P<dtype>{_alternatives(DTYPES)})_k(?P<hidden>\d+|dyn)_g(?P<group>\d+)"
+    rf"(?P<residual>_res)?_(?P<layout>{_alternatives(LAYOUTS)})_(?P<format>{_alternatives(FORMATS)})"
     r"(?P<scale_ub>_ub)?$"
 )
 
@@ -56,7 +62,7 @@ class VariantSpec:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise choice_error("dtype", self.dtype, DTYPES)
-        scale_layout(self.layout, self.format)  # refuses an unknown layout, format or pair
+        layout = scale_layout(self.layout, self.format)  # refuses an unknown layout, format or pair
         if self.out_dtype not in OUT_DTYPES:
             raise choice_error("out_dtype", self.out_dtype, OUT_DTYPES)
         for flag in ("residual", "scale_ub"):
@@ -64,6 +70,9 @@ class VariantSpec:
                 raise TypeError(f"{flag}={getattr(self, flag)!r} must be a bool")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0 or self.group % 8:
             raise ValueError(f"group={self.group!r} must be a positive multiple of 8 (64 and 128 are the usual sizes)")
+        refusal = layout.group_refusal(self.group)
+        if refusal is not None:
+            raise ValueError(f"group={self.group}: {refusal}")
         if self.hidden is not None:
             if isinstance(self.hidden, bool) or not isinstance(self.hidden, int) or self.hidden <= 0:
                 raise ValueError(f"hidden={self.hidden!r} must be a positive int, or None for the dynamic-K variant")
@@ -92,7 +101,8 @@ class VariantSpec:
         if not match:
             raise ValueError(
                 f"variant name {name!r} does not parse; expected e.g. 'bf16_k7168_g128_res_col_ue8m0' "
-                "(dtype_k<K|dyn>_g<G>[_res]_<row|col>_<fp32|ue8m0|ue8m0_packed>[_ub])"
+                f"(dtype_k<K|dyn>_g<G>[_res]_<layout>_<format>[_ub], a layout:format pair of "
+                f"{', '.join(f'{layout}:{fmt}' for layout, fmt in RECORDS)})"
             )
         groups = match.groupdict()
         return cls(

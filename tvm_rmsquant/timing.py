@@ -32,8 +32,8 @@ MIN_GRAPH_CALLS = 10
 def op_bytes(spec: VariantSpec, rows: int, hidden: int) -> int:
     """The fewest bytes the op moves: inputs read once, outputs written once."""
     item = spec.itemsize
-    shape, _, stored_rows, _ = scale_geometry(spec, rows, hidden)
-    scale_bytes = shape[0] * shape[1] * 4
+    shape, _, _, _ = scale_geometry(spec, rows, hidden)
+    scale_bytes = shape[0] * shape[1] * spec.scale.element_bytes
     moved = rows * hidden * item + hidden * item + rows * hidden + scale_bytes
     if spec.residual:
         moved += 2 * rows * hidden * item
