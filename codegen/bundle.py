@@ -48,12 +48,10 @@ from . import nvcc as nvcc_step
 #: The allocating ops' C++ implementation, built against torch's stable ABI into every bundle.
 TORCH_OPS_SOURCE = Path(__file__).with_name("torch_ops.cpp")
 TORCH_OPS_LIBRARY = "torch_ops.so"
-#: The files whose content decides the generated source; their hash keys the lowering cache.
-_SOURCE_ROOTS = {
-    "tvm_rmsquant": ("expr.py", "spec.py", "launch.py"),
-    "tvm_rmsquant.schedules": None,
-    "tvm_rmsquant.codegen": ("lower.py", "row_views.cuh"),
-}
+#: The packages whose code may decide a kernel (all of their files, never a hand-kept list):
+#: their content keys only the memo of kernel digests. The lowering cache is keyed on the
+#: kernels themselves (``lowering_key``).
+_CODE_PACKAGES = ("tvm_rmsquant", "tvm_rmsquant.schedules", "tvm_rmsquant.codegen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,24 +115,26 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def code_fingerprint() -> str:
-    """Hash of the source files that generate kernels (content only, never times or paths)."""
+    """Hash of every source file of the packages that may decide a kernel (content only,
+    never times or paths): a change anywhere in them voids the remembered kernel digests."""
     import importlib
 
     digest = hashlib.sha256()
-    for package, files in sorted(_SOURCE_ROOTS.items()):
+    for package in _CODE_PACKAGES:
         root = Path(importlib.import_module(package).__file__).parent
-        for path in sorted(root.glob("*.py")) if files is None else [root / name for name in files]:
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        for path in sorted(path for path in root.iterdir() if path.suffix in (".py", ".cuh", ".cpp")):
+            digest.update(package.encode() + b"/" + path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
 def remembered_kernel_digests(cache_dir: Path, tools: Dict) -> Callable[[VariantSpec, str, Dict[str, int]], str]:
     """``lower.kernel_digest``, remembered in the cache per code fingerprint and toolchain.
 
-    The tuning database checks each record's digest at every build, and a digest schedules
-    the kernel: 36 records took 2.5 s of a 5.7 s no-change rebuild. The key is what the
-    lowering cache trusts (the kernel-generating sources and the toolchain); an unreadable
-    or partial file is recomputed, and it is rewritten whole (atomically) when it grows.
+    Every build keys its lowering cache on each kernel's digest, and the tuning database
+    checks each record's, and a digest schedules the kernel (about 0.075 s each here): 36
+    records alone took 2.5 s of a 5.7 s no-change rebuild. The key is all the code that may
+    decide a kernel and the toolchain; an unreadable or partial file is recomputed, and it is
+    rewritten whole (atomically) when it grows.
     """
     key = sha256_bytes(json.dumps({"code": code_fingerprint(), "tools": tools}, sort_keys=True).encode())[:16]
     path = cache_dir / "digests" / f"{key}.json"
@@ -206,10 +206,17 @@ def plan_candidates(candidates: Dict[VariantSpec, List[Tuple[str, Dict[str, int]
     return libraries
 
 
-def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], fingerprint: str) -> str:
+def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], kernel_digest) -> str:
+    """The lowering cache's key of one library: what its source is made of. Each kernel's
+    scheduled TIR and knobs (``kernel_digest``), its symbol, the generated entry points, the
+    TVM pass configuration and target archs, and the toolchain versions."""
+    from .lower import PASS_CONFIG, entry_points
+
+    lowering = [variant.as_lowering_input() for variant in variants]
     payload = {
-        "variants": [[v.spec.to_json(), v.rule, list(v.knobs), v.symbol] for v in variants],
-        "code": fingerprint,
+        "kernels": [[kernel_digest(spec, rule, knobs), symbol, max_rows] for spec, rule, knobs, symbol, max_rows in lowering],
+        "entry_points": sha256_bytes(entry_points(lowering).encode()),
+        "pass_config": PASS_CONFIG,
         "tvm": tools["apache-tvm"],
         "tvm_ffi": tools["apache-tvm-ffi"],
         "archs": tools["target_archs"],
@@ -341,11 +348,12 @@ def build_libraries(
     tick = progress or (lambda stage, count: None)
     tools = toolchain(archs)
     fingerprint = code_fingerprint()
+    kernel_digest = remembered_kernel_digests(cache_dir, tools)
 
     sources: Dict[str, Tuple[Path, str]] = {}
     to_lower = {}
     for name, variants in libraries.items():
-        cached = cache_dir / "lowered" / f"{lowering_key(variants, tools, fingerprint)}.cu"
+        cached = cache_dir / "lowered" / f"{lowering_key(variants, tools, kernel_digest)}.cu"
         record = _cached(cached)
         if record is not None:
             sources[name] = (cached, record["sha256"])
@@ -387,7 +395,7 @@ def build_libraries(
 
     ffi_exports = dynamic_symbols(installed_libtvm_ffi())[0]  # the libtvm_ffi.so that nvcc linked against
     torch_ops, torch_ops_entry = build_torch_ops(cache_dir, tools, ffi_exports)
-    manifest = {**_manifest(libraries, sources, objects, tools, fingerprint, ffi_exports), "torch_ops": torch_ops_entry, **(extra or {})}
+    manifest = {**_manifest(libraries, sources, objects, tools, fingerprint, ffi_exports, kernel_digest), "torch_ops": torch_ops_entry, **(extra or {})}
     files = {TORCH_OPS_LIBRARY: (torch_ops, torch_ops_entry["sha256"]), TORCH_OPS_SOURCE.name: (TORCH_OPS_SOURCE, torch_ops_entry["source_sha256"])}
     for name in libraries:
         files[f"{name}.cu"], files[f"{name}.so"] = sources[name], (objects[name][0], objects[name][1]["sha256"])
@@ -425,7 +433,7 @@ def build_torch_ops(cache_dir: Path, tools: Dict, ffi_exports) -> Tuple[Path, Di
     return library, entry
 
 
-def _manifest(libraries, sources, objects, tools, fingerprint, ffi_exports) -> Dict:
+def _manifest(libraries, sources, objects, tools, fingerprint, ffi_exports, kernel_digest) -> Dict:
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "toolchain": {key: value for key, value in tools.items() if key != "nvcc_path"},
@@ -440,9 +448,7 @@ def _manifest(libraries, sources, objects, tools, fingerprint, ffi_exports) -> D
         for variant in variants:
             entry = variant.manifest_entry(f"{name}.so", record["ptxas"])
             if variant.candidate:
-                from . import lower  # imports TVM: only candidate bundles need it here
-
-                entry["kernel_digest"] = lower.kernel_digest(variant.spec, variant.rule, dict(variant.knobs))
+                entry["kernel_digest"] = kernel_digest(variant.spec, variant.rule, dict(variant.knobs))
                 manifest.setdefault("candidates", {})[variant.symbol] = entry
             elif variant.max_rows is None:
                 manifest["variants"].setdefault(variant.spec.name, {}).update(entry)

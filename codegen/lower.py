@@ -1,6 +1,7 @@
 """Lowering: (spec, rule, knobs) -> scheduled TIR -> one CUDA C++ translation unit.
 
-Plain functions, one step each. The CUDA target is the build's oldest arch (``target``)
+Plain functions, one step each; TVM is imported where a step needs it, so that the build
+can key its caches on the entry points without it. The CUDA target is the build's oldest arch (``target``)
 with the ``cuda_host`` host, so ``export_cuda_host`` yields device kernels plus tvm-ffi
 host wrappers that nvcc turns into a library needing only libtvm_ffi and libcudart, with
 SASS for each of the build's archs. One source serves them all.
@@ -14,9 +15,7 @@ import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-import tvm
-
-from tvm_rmsquant import expr, launch
+from tvm_rmsquant import launch
 from tvm_rmsquant.schedules import rule_by_name
 from tvm_rmsquant.spec import VariantSpec
 from tvm_rmsquant.target import targets
@@ -31,12 +30,16 @@ PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 def cuda_target(archs: Sequence[str]):
     """TVM's target for a library built for ``archs``: the oldest of them."""
+    import tvm
+
     oldest = min(targets(archs), key=lambda target: target.capability)
     return tvm.target.Target({"kind": "cuda", "arch": oldest.tvm_arch}, host={"kind": "cuda_host"})
 
 
 def _scheduled(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]):
     """The PrimFunc of ``spec`` as ``rule_name`` schedules it with ``knobs``."""
+    from tvm_rmsquant import expr
+
     return rule_by_name(rule_name).apply(expr.prim_func(spec), spec, knobs).mod["main"]
 
 
@@ -99,9 +102,24 @@ extern "C" TVM_DLL int32_t __tvm_ffi_{symbol}(void* self, void* args, int32_t nu
 """
 
 
+def entry_points(variants: Sequence[Tuple[VariantSpec, str, Dict[str, int], str, Optional[int]]]) -> str:
+    """The C++ of a library's public entry points (no TVM needed): ``row_views.cuh``, then each
+    (spec, rule, knobs, symbol, max_rows)'s entry point. A spec's entry point with max_rows None
+    also runs its M buckets' kernels."""
+    buckets: Dict[VariantSpec, List[Tuple[int, str]]] = {}
+    for spec, _, _, symbol, max_rows in variants:
+        if max_rows is not None:
+            buckets.setdefault(spec, []).append((max_rows, symbol))
+    parts = [ROW_VIEWS.read_text()]
+    parts += [entry_point(spec, symbol, buckets.get(spec, ()) if max_rows is None else ()) for spec, _, _, symbol, max_rows in variants]
+    return "\n".join(parts)
+
+
 def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, Optional[int]]], archs: Sequence[str]) -> str:
-    """One translation unit for ``archs``: each (spec, rule, knobs, symbol, max_rows)'s kernel, host
-    wrapper and entry point. A spec's entry point with max_rows None also runs its M buckets' kernels."""
+    """One translation unit for ``archs``: each (spec, rule, knobs, symbol, max_rows)'s kernel and
+    host wrapper, then ``entry_points``."""
+    import tvm
+
     variants = list(variants)
     funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol) for spec, rule, knobs, symbol, _ in variants}
     with tvm.transform.PassContext(config=PASS_CONFIG):
@@ -110,15 +128,13 @@ def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, 
     for spec, rule, knobs, symbol, _ in variants:
         blocks = rule_by_name(rule).min_blocks_per_sm(knobs)
         kernels = with_min_blocks_per_sm(kernels, f"{launch.grouped_symbol(symbol)}_kernel", blocks)
-    buckets: Dict[VariantSpec, List[Tuple[int, str]]] = {}
-    for spec, _, _, symbol, max_rows in variants:
-        if max_rows is not None:
-            buckets.setdefault(spec, []).append((max_rows, symbol))
-    parts = [kernels, ROW_VIEWS.read_text()]
-    parts += [entry_point(spec, symbol, buckets.get(spec, ()) if max_rows is None else ()) for spec, _, _, symbol, max_rows in variants]
-    return "\n".join(parts)
+    return "\n".join([kernels, entry_points(variants)])
 
 
 def cpu_function(spec: VariantSpec):
     """The unscheduled tensor expression built for TVM's llvm target (CPU reference kernel)."""
+    import tvm
+
+    from tvm_rmsquant import expr
+
     return tvm.compile(expr.prim_func(spec, portable_casts=True), target="llvm")["main"]

@@ -169,6 +169,25 @@ def test_cache_keys_depend_on_content_not_paths_or_times(built, tmp_path):
     assert report.lowered == 0 and report.compiled == 0 and report.published
 
 
+def test_the_lowering_cache_is_keyed_on_the_kernels_not_on_the_code_that_made_them(built, monkeypatch, tmp_path):
+    """A code change that changes no kernel (simulated: another code fingerprint, so every
+    kernel digest is computed again) lowers nothing; a schedule change lowers its library again,
+    and only that one."""
+    root, _ = built
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    monkeypatch.setattr(builder, "code_fingerprint", lambda: "another revision of the code")
+    report = builder.build(SPECS, tmp_path / "same", jobs=1, cache_dir=tmp_path / "cache")
+    assert (report.lowered, report.compiled) == (0, 0)
+    assert list((tmp_path / "cache" / "digests").iterdir()), "the digests were remembered under the new fingerprint"
+
+    def other_knobs(spec):
+        rule, knobs = builder.default_schedule(spec)
+        return rule, {**knobs, "min_blocks_per_sm": 2} if spec == SPECS[1] else knobs
+
+    report = builder.build(SPECS, tmp_path / "changed", jobs=1, cache_dir=tmp_path / "cache", choose=other_knobs)
+    assert (report.lowered, report.compiled) == (1, 1)
+
+
 def test_a_failed_build_leaves_the_previous_bundle_live(built, monkeypatch, tmp_path):
     root, _ = built
     before = read_current(root / "bundle")
