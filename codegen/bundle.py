@@ -41,7 +41,7 @@ from tvm_rmsquant.bundle_format import (CURRENT_FILE, LOCK_FILE, MANIFEST_FILE, 
 from tvm_rmsquant.loader import BundleError
 from tvm_rmsquant.schedules import default_schedule
 from tvm_rmsquant.spec import VariantSpec
-from tvm_rmsquant.target import DEFAULT_ARCHS, targets
+from tvm_rmsquant.target import DEFAULT_ARCHS, scheduling_target, targets
 
 from . import nvcc as nvcc_step
 
@@ -137,6 +137,7 @@ def remembered_kernel_digests(cache_dir: Path, tools: Dict) -> Callable[[Variant
     rewritten whole (atomically) when it grows.
     """
     key = sha256_bytes(json.dumps({"code": code_fingerprint(), "tools": tools}, sort_keys=True).encode())[:16]
+    target = scheduling_target(tools["target_archs"])
     path = cache_dir / "digests" / f"{key}.json"
     try:
         known = json.loads(path.read_text())
@@ -150,7 +151,7 @@ def remembered_kernel_digests(cache_dir: Path, tools: Dict) -> Callable[[Variant
         if name not in known:
             from .lower import kernel_digest
 
-            known[name] = kernel_digest(spec, rule, knobs)
+            known[name] = kernel_digest(spec, rule, knobs, target)
             _atomic_write(path, json.dumps(known, sort_keys=True).encode())
         return known[name]
 
@@ -177,13 +178,17 @@ def toolchain(archs: Sequence[str] = DEFAULT_ARCHS) -> Dict:
 # -- plan -------------------------------------------------------------------------------------
 
 
-def plan(specs: Sequence[VariantSpec], choose=default_schedule, tuned=None) -> Dict[str, List[PlannedVariant]]:
-    """Each spec's schedules, grouped into libraries by (dtype, residual, static/dynamic K).
+def plan(specs: Sequence[VariantSpec], choose=None, tuned=None, archs: Sequence[str] = DEFAULT_ARCHS) -> Dict[str, List[PlannedVariant]]:
+    """Each spec's schedules for a build for ``archs``, grouped into libraries by (dtype,
+    residual, static/dynamic K).
 
-    ``choose(spec)`` gives (rule, knobs); ``tuned(spec, (rule, knobs))``, where given (a
+    ``choose(spec)`` gives (rule, knobs), by default each rule's default for the archs'
+    scheduling target; ``tuned(spec, (rule, knobs))``, where given (a
     tuning database's ``schedules``), replaces that by [(max_rows, rule, knobs), ...]
     ending with max_rows None.
     """
+    target = scheduling_target(archs)
+    choose = choose or (lambda spec: default_schedule(spec, target))
     libraries: Dict[str, List[PlannedVariant]] = {}
     for spec in sorted(set(specs), key=lambda spec: spec.name):
         chosen = choose(spec)
@@ -323,14 +328,14 @@ def build(
     out_dir: Path,
     jobs: int = 2,
     cache_dir: Optional[Path] = None,
-    choose=default_schedule,
+    choose=None,
     tuned=None,
     progress: Optional[Callable[[str, int], None]] = None,
     extra: Optional[Dict] = None,
     archs: Sequence[str] = DEFAULT_ARCHS,
 ) -> BuildReport:
     """Build ``specs`` into the bundle directory ``out_dir`` with SASS for ``archs``; see the module docstring."""
-    return build_libraries(plan(specs, choose, tuned), out_dir, jobs, cache_dir, progress, extra, archs)
+    return build_libraries(plan(specs, choose, tuned, archs), out_dir, jobs, cache_dir, progress, extra, archs)
 
 
 def build_libraries(

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from tvm_rmsquant import launch
 from tvm_rmsquant.schedules import rule_by_name
 from tvm_rmsquant.spec import VariantSpec
-from tvm_rmsquant.target import targets
+from tvm_rmsquant.target import Target, scheduling_target
 
 #: The C++ helper behind every variant's public entry point (takes [M, K] tensors).
 ROW_VIEWS = Path(__file__).with_name("row_views.cuh")
@@ -29,30 +29,29 @@ PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 
 def cuda_target(archs: Sequence[str]):
-    """TVM's target for a library built for ``archs``: the oldest of them."""
+    """TVM's target for a library built for ``archs``: the one its schedules are made for."""
     import tvm
 
-    oldest = min(targets(archs), key=lambda target: target.capability)
-    return tvm.target.Target({"kind": "cuda", "arch": oldest.tvm_arch}, host={"kind": "cuda_host"})
+    return tvm.target.Target({"kind": "cuda", "arch": scheduling_target(archs).tvm_arch}, host={"kind": "cuda_host"})
 
 
-def _scheduled(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]):
-    """The PrimFunc of ``spec`` as ``rule_name`` schedules it with ``knobs``."""
+def _scheduled(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], target: Target):
+    """The PrimFunc of ``spec`` as ``rule_name`` schedules it for ``target`` with ``knobs``."""
     from tvm_rmsquant import expr
 
-    return rule_by_name(rule_name).apply(expr.prim_func(spec), spec, knobs).mod["main"]
+    return rule_by_name(rule_name).apply(expr.prim_func(spec), target, spec, knobs).mod["main"]
 
 
-def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: str):
-    """The scheduled PrimFunc of one variant, exported under ``grouped_symbol(symbol)``."""
-    return _scheduled(spec, rule_name, knobs).with_attr("global_symbol", launch.grouped_symbol(symbol))
+def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: str, target: Target):
+    """The scheduled PrimFunc of one variant for ``target``, exported under ``grouped_symbol(symbol)``."""
+    return _scheduled(spec, rule_name, knobs, target).with_attr("global_symbol", launch.grouped_symbol(symbol))
 
 
-def kernel_digest(spec: VariantSpec, rule_name: str, knobs: Dict[str, int]) -> str:
-    """The identity of the kernel that (spec, rule, knobs) makes with this code: a hash of its
+def kernel_digest(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], target: Target) -> str:
+    """The identity of the kernel that (spec, rule, knobs) makes for ``target`` with this code: a hash of its
     scheduled TIR and knobs. A tuning record carries the digest of the kernel it measured,
     so that a change to the tensor expression or to a rule voids it instead of reusing it."""
-    payload = _scheduled(spec, rule_name, knobs).script() + json.dumps(knobs, sort_keys=True)
+    payload = _scheduled(spec, rule_name, knobs, target).script() + json.dumps(knobs, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -121,7 +120,8 @@ def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, 
     import tvm
 
     variants = list(variants)
-    funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol) for spec, rule, knobs, symbol, _ in variants}
+    target = scheduling_target(archs)
+    funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol, target) for spec, rule, knobs, symbol, _ in variants}
     with tvm.transform.PassContext(config=PASS_CONFIG):
         built = tvm.compile(tvm.IRModule(funcs), target=cuda_target(archs))
     kernels = tvm.backend.cuda.export_cuda_host(built.mod)

@@ -1,5 +1,5 @@
 // The CUDA implementation of the allocating torch ops (rms_norm_group_quant,
-// fused_add_rms_norm_group_quant, add_rms_norm_group_quant), in C++.
+// fused_add_rms_norm_group_quant, add_rms_norm_group_quant, group_quant), in C++.
 //
 // Why C++: with a Python implementation, every dispatched call (a compiled graph's, an
 // engine's direct torch.ops call) also ran a Python kernel frame, two Python allocations
@@ -54,6 +54,7 @@ struct Variant {
   tvm::ffi::Function entry;
   int64_t group;
   ScaleLayout scale;
+  bool norm;      // normalizes: takes a weight and eps (false: the standalone quant, x only)
   bool residual;  // takes a residual (x, residual, weight, ...)
   bool scale_ub;  // takes a one-element scale_ub tensor
   std::string capabilities;  // the compute capabilities the machine code runs on, as "9.0,10.0"
@@ -65,14 +66,14 @@ std::mutex registry_mutex;
 std::unordered_map<std::string, std::shared_ptr<const Variant>> registry;
 
 int64_t register_variant(tvm::ffi::String name, tvm::ffi::Function entry, int64_t group, int64_t element,
-                         int64_t groups_per_word, bool column_major, int64_t row_align, int64_t column_align, bool residual,
-                         bool scale_ub, tvm::ffi::String capabilities) {
+                         int64_t groups_per_word, bool column_major, int64_t row_align, int64_t column_align, bool norm,
+                         bool residual, bool scale_ub, tvm::ffi::String capabilities) {
   if (element < 0 || element > 2 || groups_per_word < 1 || row_align < 1 || column_align < 1) {
     throw std::invalid_argument("register_variant: " + std::string(name) + " has a scale layout this library cannot allocate");
   }
   auto variant = std::make_shared<const Variant>(Variant{std::move(entry), group,
                                                          ScaleLayout{element, groups_per_word, column_major, row_align, column_align},
-                                                         residual, scale_ub, std::string(capabilities)});
+                                                         norm, residual, scale_ub, std::string(capabilities)});
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry[std::string(name)] = std::move(variant);
   return int64_t(registry.size());
@@ -268,10 +269,15 @@ void emplace_scales(std::optional<Output>& scales, const Variant& variant, int64
 // One call: check what only this layer knows, allocate, launch on torch's stream. With
 // ``new_residual`` the updated residual goes to a new tensor (returned third), else in place.
 std::tuple<Tensor, Tensor, std::optional<Tensor>> launch(const std::string& name, const Tensor& x_in,
-                                                         const std::optional<Tensor>& residual, const Tensor& weight_in,
+                                                         const std::optional<Tensor>& residual, const std::optional<Tensor>& weight_in,
                                                          const std::optional<Tensor>& scale_ub, double eps, bool new_residual) {
   const std::shared_ptr<const Variant> found = find_variant(name);
   const Variant& variant = *found;
+  if (variant.norm != weight_in.has_value()) {
+    throw std::invalid_argument("variant " + name +
+                                (variant.norm ? " normalizes: call rms_norm_group_quant (group_quant takes a _nonorm variant)"
+                                              : " is a standalone quant: call group_quant, which takes no weight"));
+  }
   if (variant.residual != residual.has_value()) {
     throw std::invalid_argument("variant " + name +
                                 (variant.residual ? " updates a residual: call fused_add_rms_norm_group_quant"
@@ -287,7 +293,8 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> launch(const std::string& name
   if (x.view.device.device_type != kDLCUDA) {
     throw std::invalid_argument("x is on the CPU while another argument is on CUDA; put every tensor on one device");
   }
-  const Argument weight(weight_in, "weight");
+  std::optional<Argument> weight;
+  if (weight_in.has_value()) weight.emplace(*weight_in, "weight");
   const int32_t device_index = x.view.device.device_id;
   check_capability(variant, device_index);
   const int64_t rows = x.view.shape[0], hidden = x.view.shape[1];
@@ -296,8 +303,9 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> launch(const std::string& name
   emplace_scales(scales, variant, rows, hidden, device_index);
   if (new_residual) residual_out.emplace(rows, hidden, hidden, 1, x.torch_dtype, x.view.dtype, device_index);
 
-  // Arguments in the entry point's order: x, [residual], weight, [scale_ub], eps, q, scales,
-  // [residual_out]. The residual is read, then written, by the same thread, so in place
+  // Arguments in the entry point's order (tvm_rmsquant/launch.py, ``parameters``): x, [residual],
+  // [weight], [scale_ub], [eps], q, scales, [residual_out]; weight and eps where the variant
+  // normalizes. The residual is read, then written, by the same thread, so in place
   // works; strided residual rows go through their compact copy, written back after.
   std::optional<Argument> source, cap;
   if (residual.has_value() && !new_residual) refuse_overlapping_rows(*residual, "residual");
@@ -312,11 +320,13 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> launch(const std::string& name
   };
   push(&x.view);
   if (source) push(&source->view);
-  push(&weight.view);
+  if (weight) push(&weight->view);
   if (cap) push(&cap->view);
-  args[count].type_index = kTVMFFIFloat;
-  args[count].zero_padding = 0;
-  args[count++].v_float64 = eps;
+  if (weight) {
+    args[count].type_index = kTVMFFIFloat;
+    args[count].zero_padding = 0;
+    args[count++].v_float64 = eps;
+  }
   push(&q.view);
   push(&scales->view);
   if (source) push(residual_out ? &residual_out->view : &source->view);
@@ -355,6 +365,11 @@ std::tuple<Tensor, Tensor, Tensor> add_rms_norm_group_quant(Tensor x, Tensor res
   return {q, scales, *residual_out};
 }
 
+std::tuple<Tensor, Tensor> group_quant(Tensor x, std::string variant, std::optional<Tensor> scale_ub) {
+  auto [q, scales, unused] = launch(variant, x, std::nullopt, std::nullopt, scale_ub, 0.0, false);
+  return {q, scales};
+}
+
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(register_variant, register_variant);
@@ -363,4 +378,5 @@ STABLE_TORCH_LIBRARY_IMPL(tvm_rmsquant, CUDA, m) {
   m.impl("rms_norm_group_quant", TORCH_BOX(&rms_norm_group_quant));
   m.impl("fused_add_rms_norm_group_quant", TORCH_BOX(&fused_add_rms_norm_group_quant));
   m.impl("add_rms_norm_group_quant", TORCH_BOX(&add_rms_norm_group_quant));
+  m.impl("group_quant", TORCH_BOX(&group_quant));
 }

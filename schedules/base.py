@@ -5,6 +5,8 @@ values, then the rule's own ``refuses``), what it can tune
 (``space``), what it would pick by hand (``default``), and turns the tensor expression's
 PrimFunc into an ``s_tir.Schedule`` for given knobs (``apply``). Knobs are a plain
 ``{name: int}`` dict, so they serialize into manifests and tuning records as they are.
+Every judgement takes the GPU ``Target`` (``tvm_rmsquant.target``) as an argument, as
+dlight's ``apply(func, target, ...)`` does: a build passes its ``scheduling_target``.
 
 Every rule also has ``min_blocks_per_sm``, the occupancy hint of CUDA's
 ``__launch_bounds__``: ptxas then caps registers so that many blocks fit on an SM
@@ -18,15 +20,12 @@ import random
 from typing import Dict, Iterator, List, Optional
 
 from tvm_rmsquant.spec import VariantSpec
-from tvm_rmsquant.target import TARGETS, threads_per_sm
+from tvm_rmsquant.target import Target
 
 Knobs = Dict[str, int]
 
 #: Values of the ``min_blocks_per_sm`` knob (0: no hint); 1 would equal no hint.
 MIN_BLOCKS_PER_SM = [0, 2, 4, 8, 16]
-#: Resident threads per SM that every known target has: one generated source (and so one
-#: knob choice) serves every arch a bundle holds.
-THREADS_PER_SM = threads_per_sm(TARGETS.values())
 
 
 class ScheduleRule:
@@ -34,37 +33,37 @@ class ScheduleRule:
 
     name: str = ""
 
-    def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
+    def space(self, spec: VariantSpec, target: Target) -> Dict[str, List[int]]:
         """Each knob's candidate values; ``check`` filters the product of them."""
         raise NotImplementedError
 
-    def check(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
-        """None when the rule can schedule ``spec`` with ``knobs``; otherwise why not.
+    def check(self, spec: VariantSpec, knobs: Knobs, target: Target) -> Optional[str]:
+        """None when the rule can schedule ``spec`` with ``knobs`` for ``target``; otherwise why not.
 
         The one judge of knobs, wherever they come from (``--knobs``, a tuning record, a
         search): every name must be a knob of the space and every value one of its values
         (the rules' arithmetic assumes so: vector=0 would divide by zero, vector=-8 pass as
         -16 lanes), then ``refuses`` judges the combination. Missing knobs are ``validate``'s.
         """
-        space = self.space(spec)
+        space = self.space(spec, target)
         unknown = sorted(set(knobs) - set(space))
         if unknown:
             return f"no knob(s) named {unknown}; the knobs are {sorted(space)}"
         for name, value in sorted(knobs.items()):
             if type(value) is not int or value not in space[name]:
                 return f"{name}={value!r} is not one of its values {space[name]}"
-        return self.refuses(spec, knobs)
+        return self.refuses(spec, knobs, target)
 
-    def refuses(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+    def refuses(self, spec: VariantSpec, knobs: Knobs, target: Target) -> Optional[str]:
         """Why the rule cannot schedule ``spec`` with ``knobs`` (each a value of its space), or None."""
         raise NotImplementedError
 
-    def default(self, spec: VariantSpec) -> Optional[Knobs]:
-        """The hand-picked knobs for ``spec``, or None if the rule does not apply."""
+    def default(self, spec: VariantSpec, target: Target) -> Optional[Knobs]:
+        """The hand-picked knobs for ``spec`` on ``target``, or None if the rule does not apply."""
         raise NotImplementedError
 
-    def apply(self, func, spec: VariantSpec, knobs: Knobs):
-        """Return an ``s_tir.Schedule`` of ``func`` (the spec's PrimFunc) with ``knobs``."""
+    def apply(self, func, target: Target, spec: VariantSpec, knobs: Knobs):
+        """Return an ``s_tir.Schedule`` of ``func`` (the spec's PrimFunc) for ``target`` with ``knobs``."""
         raise NotImplementedError
 
     def min_blocks_per_sm(self, knobs: Knobs) -> int:
@@ -72,36 +71,37 @@ class ScheduleRule:
         return knobs.get("min_blocks_per_sm", 0)
 
     @staticmethod
-    def check_occupancy(threads: int, knobs: Knobs) -> Optional[str]:
-        """Why ``min_blocks_per_sm`` cannot hold for blocks of ``threads``, or None."""
+    def check_occupancy(threads: int, knobs: Knobs, target: Target) -> Optional[str]:
+        """Why ``min_blocks_per_sm`` cannot hold for blocks of ``threads`` on ``target``, or None."""
         blocks = knobs.get("min_blocks_per_sm", 0)
-        if blocks and threads * blocks > THREADS_PER_SM:
-            return f"min_blocks_per_sm={blocks} blocks of {threads} threads exceed the {THREADS_PER_SM} threads of an SM"
+        if blocks and threads * blocks > target.threads_per_sm:
+            return (f"min_blocks_per_sm={blocks} blocks of {threads} threads exceed the {target.threads_per_sm} "
+                    f"threads of an {target.name} SM")
         return None
 
     # -- the search space, shared by every rule -----------------------------------------------
 
-    def candidates(self, spec: VariantSpec) -> Iterator[Knobs]:
+    def candidates(self, spec: VariantSpec, target: Target) -> Iterator[Knobs]:
         """Every valid knob assignment, in a stable order."""
-        space = self.space(spec)
+        space = self.space(spec, target)
         names = sorted(space)
         for values in itertools.product(*(space[name] for name in names)):
             knobs = dict(zip(names, values))
-            if self.check(spec, knobs) is None:
+            if self.check(spec, knobs, target) is None:
                 yield knobs
 
-    def sample(self, spec: VariantSpec, count: int, seed: int = 0) -> List[Knobs]:
+    def sample(self, spec: VariantSpec, target: Target, count: int, seed: int = 0) -> List[Knobs]:
         """``count`` distinct valid knob assignments drawn uniformly (all of them if fewer)."""
-        everything = list(self.candidates(spec))
+        everything = list(self.candidates(spec, target))
         random.Random(seed).shuffle(everything)
         return everything[:count]
 
-    def validate(self, spec: VariantSpec, knobs: Knobs) -> Knobs:
+    def validate(self, spec: VariantSpec, knobs: Knobs, target: Target) -> Knobs:
         """``knobs`` completed and checked; raises ValueError naming what is wrong."""
-        missing = sorted(set(self.space(spec)) - set(knobs))
+        missing = sorted(set(self.space(spec, target)) - set(knobs))
         if missing:
             raise ValueError(f"rule {self.name!r} needs knob(s) {missing} for {spec.name}")
-        reason = self.check(spec, knobs)
+        reason = self.check(spec, knobs, target)
         if reason is not None:
             raise ValueError(f"rule {self.name!r} cannot schedule {spec.name} with {knobs}: {reason}")
         return dict(knobs)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant.target import TARGETS, for_capability
 
 from . import rule_by_name
 from .base import Knobs
@@ -120,8 +121,10 @@ class Record:
             if str(self.target.get(field)) != str(build_target[field]):
                 return f"measured with {field}={self.target.get(field)!r}, the build has {build_target[field]!r}"
         spec = VariantSpec.parse(self.spec)
+        major, minor = (int(part) for part in build_target["compute_capability"].split("."))
         try:
-            rule_by_name(self.rule).validate(spec, self.knobs)
+            target = for_capability((major, minor), tuple(TARGETS))
+            rule_by_name(self.rule).validate(spec, self.knobs, target)
         except ValueError as error:
             return str(error)
         if kernel_digest is not None:

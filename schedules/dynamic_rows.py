@@ -2,7 +2,8 @@
 
 ``rows_per_block`` rows share a CUDA block (threadIdx.y), and the ``group / vector``
 lanes of threadIdx.x walk one row a group at a time. The row is read once for the sum
-of squares and again, from cache, for each group's absmax and its quantization; every
+of squares (none in the standalone quant) and again, from cache, for each group's absmax
+and its quantization; every
 reduction is a shuffle inside one warp, so no block barrier depends on K or M.
 """
 
@@ -11,16 +12,17 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant.target import Target
 
 from .base import MIN_BLOCKS_PER_SM, Knobs, ScheduleRule
 
 class DynamicRows(ScheduleRule):
     name = "dynamic_rows"
 
-    def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
+    def space(self, spec: VariantSpec, target: Target) -> Dict[str, List[int]]:
         return {"vector": [2, 4, 8], "rows_per_block": [1, 2, 4, 8, 16], "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
 
-    def refuses(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+    def refuses(self, spec: VariantSpec, knobs: Knobs, target: Target) -> Optional[str]:
         vector, rows = knobs["vector"], knobs["rows_per_block"]
         if vector * spec.itemsize > 16:
             return f"vector={vector} is wider than 16 bytes of {spec.dtype}"
@@ -31,14 +33,14 @@ class DynamicRows(ScheduleRule):
             return f"a group of {lanes} lanes must tile a warp"
         if lanes * rows > 1024:
             return f"{lanes * rows} threads per block is more than 1024"
-        return self.check_occupancy(lanes * rows, knobs)
+        return self.check_occupancy(lanes * rows, knobs, target)
 
-    def default(self, spec: VariantSpec) -> Optional[Knobs]:
+    def default(self, spec: VariantSpec, target: Target) -> Optional[Knobs]:
         knobs = {"vector": 16 // spec.itemsize, "rows_per_block": 8, "min_blocks_per_sm": 0}
-        return knobs if self.check(spec, knobs) is None else None
+        return knobs if self.check(spec, knobs, target) is None else None
 
-    def apply(self, func, spec: VariantSpec, knobs: Knobs):
-        knobs = self.validate(spec, knobs)
+    def apply(self, func, target: Target, spec: VariantSpec, knobs: Knobs):
+        knobs = self.validate(spec, knobs, target)
         vector, rows = knobs["vector"], knobs["rows_per_block"]
         lanes = spec.group // vector
         encoded, per_word = spec.scale.encoded, spec.scale.groups_per_word
@@ -71,7 +73,7 @@ class DynamicRows(ScheduleRule):
         blocks_x, thread_y = sch.split(row, [None, rows])
         sch.bind(blocks_x, "blockIdx.x")
         sch.bind(thread_y, "threadIdx.y")
-        for name in ("sumsq", "rms", "absmax"):
+        for name in ("sumsq", "rms", "absmax") if spec.norm else ("absmax",):
             sch.set_scope(block(name), 0, "local")
 
         if residual_store is not None:
@@ -80,9 +82,10 @@ class DynamicRows(ScheduleRule):
             for writer in writers:
                 bind_lanes(sch.get_loops(writer)[-1], vectorize=writer == residual_store)
 
-        g, j = sch.get_loops(block("sumsq"))[-2:]
-        tx = bind_lanes(j, vectorize=False)
-        sch.reorder(tx, g)
+        if spec.norm:
+            g, j = sch.get_loops(block("sumsq"))[-2:]
+            tx = bind_lanes(j, vectorize=False)
+            sch.reorder(tx, g)
 
         # The group pipeline, one group (packed: one word of four groups) at a time:
         # absmax -> scale -> q, and the scale or word written out.

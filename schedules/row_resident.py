@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from tvm_rmsquant.spec import VariantSpec, num_groups
+from tvm_rmsquant.target import Target
 
 from .base import MIN_BLOCKS_PER_SM, Knobs, ScheduleRule
 
@@ -32,10 +33,10 @@ PACKED_CAST = 4
 class RowResident(ScheduleRule):
     name = "row_resident"
 
-    def space(self, spec: VariantSpec) -> Dict[str, List[int]]:
+    def space(self, spec: VariantSpec, target: Target) -> Dict[str, List[int]]:
         return {"vector": [2, 4, 8], "groups_per_thread": [1, 2, 4, 8, 16], "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
 
-    def refuses(self, spec: VariantSpec, knobs: Knobs) -> Optional[str]:
+    def refuses(self, spec: VariantSpec, knobs: Knobs, target: Target) -> Optional[str]:
         if spec.is_dynamic:
             return "needs a static hidden size"
         vector, per_thread = knobs["vector"], knobs["groups_per_thread"]
@@ -61,21 +62,21 @@ class RowResident(ScheduleRule):
         words = spec.scale.groups_per_word
         if words > 1 and per_thread % words and per_thread != groups:
             return f"a packed word's {words} groups must belong to one thread"
-        return self.check_occupancy(threads, knobs)
+        return self.check_occupancy(threads, knobs, target)
 
-    def default(self, spec: VariantSpec) -> Optional[Knobs]:
+    def default(self, spec: VariantSpec, target: Target) -> Optional[Knobs]:
         if spec.is_dynamic:
             return None
         widest = 16 // spec.itemsize
         for vector in (widest, widest // 2):
             for per_thread in (4, 2, 8, 1, 16):
                 knobs = {"vector": vector, "groups_per_thread": per_thread, "min_blocks_per_sm": 0}
-                if self.check(spec, knobs) is None:
+                if self.check(spec, knobs, target) is None:
                     return knobs
         return None
 
-    def apply(self, func, spec: VariantSpec, knobs: Knobs):
-        knobs = self.validate(spec, knobs)
+    def apply(self, func, target: Target, spec: VariantSpec, knobs: Knobs):
+        knobs = self.validate(spec, knobs, target)
         vector, per_thread = knobs["vector"], knobs["groups_per_thread"]
         lanes = spec.group // vector
         thread_rows = num_groups(spec.hidden, spec.group) // per_thread
@@ -120,7 +121,8 @@ class RowResident(ScheduleRule):
         sch.bind(row, "blockIdx.x")
         for child in sch.get_child_blocks(sch.get_sblock("root"))[1:]:
             sch.reverse_compute_at(child, row)
-        for name in ("h", "y", "sumsq", "rms", "absmax", "ratio"):
+        norm = ("sumsq", "rms") if spec.norm else ()  # the standalone quant has no norm stages
+        for name in ("h", "y", "absmax", "ratio") + norm:
             sch.set_scope(block(name), 0, "local")
 
         for name in ("h", "y", "ratio", "q") + (("residual",) if spec.residual else ()):
@@ -134,10 +136,11 @@ class RowResident(ScheduleRule):
         if residual_store is not None:
             bind_elements(residual_store, vectorize=True)
 
-        g, j = sch.get_loops(block("sumsq"))[-2:]
-        ty, c = bind_groups(g)
-        tx, v = bind_lanes(j)
-        sch.reorder(ty, tx, c, v)
+        if spec.norm:
+            g, j = sch.get_loops(block("sumsq"))[-2:]
+            ty, c = bind_groups(g)
+            tx, v = bind_lanes(j)
+            sch.reorder(ty, tx, c, v)
 
         g, j = sch.get_loops(block("absmax"))[-2:]
         ty, c = bind_groups(g)
@@ -153,7 +156,7 @@ class RowResident(ScheduleRule):
             sch.bind(ty, "threadIdx.y")
             sch.unroll(c)
 
-        loads = [("h", "x"), ("y", "weight")] + ([("h", "r")] if spec.residual else [])
+        loads = [("h", "x")] + ([("y", "weight")] if spec.norm else []) + ([("h", "r")] if spec.residual else [])
         for consumer, buffer in loads:
             load = sch.cache_read(block(consumer), _read_index(sch, block(consumer), buffer), "local", consumer_blocks=[block(consumer)])
             # First possible point: every load of the row is in flight before the first reduction.

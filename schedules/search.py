@@ -21,6 +21,7 @@ import statistics
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant.target import Target
 
 from .base import Knobs, ScheduleRule
 
@@ -33,15 +34,15 @@ def knob_key(knobs: Knobs) -> Tuple[Tuple[str, int], ...]:
     return tuple(sorted(knobs.items()))
 
 
-def neighbours(rule: ScheduleRule, spec: VariantSpec, knobs: Knobs) -> List[Knobs]:
+def neighbours(rule: ScheduleRule, spec: VariantSpec, target: Target, knobs: Knobs) -> List[Knobs]:
     """Valid knobs that differ from ``knobs`` in one knob, moved one step along its range."""
     found = []
-    for name, values in sorted(rule.space(spec).items()):
+    for name, values in sorted(rule.space(spec, target).items()):
         index = values.index(knobs[name])
         for step in (-1, 1):
             if 0 <= index + step < len(values):
                 moved = {**knobs, name: values[index + step]}
-                if rule.check(spec, moved) is None:
+                if rule.check(spec, moved, target) is None:
                     found.append(moved)
     return found
 
@@ -52,7 +53,7 @@ def _ranked(measured: Sequence[Trial], objective: int) -> List[Knobs]:
     return [knobs for knobs, _ in sorted(finite, key=lambda trial: trial[1][objective])]
 
 
-def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Trial], count: int, seed: int = 0,
+def propose_evolve(rule: ScheduleRule, spec: VariantSpec, target: Target, measured: Sequence[Trial], count: int, seed: int = 0,
                    initial_random: int = 1) -> List[Knobs]:
     """The next ``count`` untried knobs, given the trials ``measured`` so far.
 
@@ -60,7 +61,7 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
     objective that still has one (a hill climb per M bucket sharing one trial budget).
     """
     rng = random.Random(seed)
-    everything = list(rule.candidates(spec))
+    everything = list(rule.candidates(spec, target))
     tried = {knob_key(knobs) for knobs, _ in measured}
     proposals: List[Knobs] = []
 
@@ -69,7 +70,7 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
         proposals.append(knobs)
 
     if not measured:
-        default = rule.default(spec)
+        default = rule.default(spec, target)
         if default is not None:
             take(default)
         for knobs in rng.sample(everything, len(everything)):
@@ -83,28 +84,29 @@ def propose_evolve(rule: ScheduleRule, spec: VariantSpec, measured: Sequence[Tri
         parents = _ranked(measured, objective) if measured else proposals
         children = []
         for parent in parents:
-            children = [child for child in neighbours(rule, spec, parent) if knob_key(child) not in tried]
+            children = [child for child in neighbours(rule, spec, target, parent) if knob_key(child) not in tried]
             if children:
                 break
         take(rng.choice(children) if children else rng.choice([knobs for knobs in everything if knob_key(knobs) not in tried]))
     return proposals
 
 
-def run_search(strategy: str, rule: ScheduleRule, spec: VariantSpec, cost: Callable[[Knobs], Tuple[float, ...]], trials: int, seed: int = 0) -> List[Trial]:
+def run_search(strategy: str, rule: ScheduleRule, spec: VariantSpec, target: Target, cost: Callable[[Knobs], Tuple[float, ...]], trials: int,
+               seed: int = 0) -> List[Trial]:
     """Run ``strategy`` (``random`` or ``evolve``) for ``trials`` trials, one proposal at a time.
 
     Both start from the hand-picked knobs, as every candidate bundle does (``tune build``):
     a comparison that gave only evolve that start measured the start, not the strategy
     (random reached 23 of the H200's 36 (spec, bucket) pairs from nothing, 29 from it)."""
     if strategy == "random":
-        start = [knobs for knobs in [rule.default(spec)] if knobs is not None]
-        drawn = start + [knobs for knobs in rule.sample(spec, trials, seed) if knobs not in start]
+        start = [knobs for knobs in [rule.default(spec, target)] if knobs is not None]
+        drawn = start + [knobs for knobs in rule.sample(spec, target, trials, seed) if knobs not in start]
         return [(knobs, cost(knobs)) for knobs in drawn[:trials]]
     if strategy != "evolve":
         raise ValueError(f"strategy={strategy!r} is unknown; choose random or evolve")
     history: List[Trial] = []
     while len(history) < trials:
-        proposed = propose_evolve(rule, spec, history, 1 if history else min(trials, 2), seed=seed + len(history))
+        proposed = propose_evolve(rule, spec, target, history, 1 if history else min(trials, 2), seed=seed + len(history))
         if not proposed:
             break
         history += [(knobs, cost(knobs)) for knobs in proposed]
@@ -120,10 +122,10 @@ def best_so_far(history: Sequence[Trial], objective: int) -> List[float]:
     return curve
 
 
-def evaluate(rule: ScheduleRule, spec: VariantSpec, costs: Dict[Tuple, Tuple[float, ...]], budget: int, seeds: int = 50,
-             tolerance: float = 0.03) -> Dict[str, List[Dict]]:
-    """Replay each strategy ``seeds`` times against measured ``costs`` (knob key -> cost per objective),
-    each from the hand-picked knobs (``run_search``).
+def evaluate(rule: ScheduleRule, spec: VariantSpec, target: Target, costs: Dict[Tuple, Tuple[float, ...]], budget: int,
+             seeds: int = 50, tolerance: float = 0.03) -> Dict[str, List[Dict]]:
+    """Replay each strategy ``seeds`` times against ``costs`` (knob key -> cost per objective)
+    measured on ``target``, each from the hand-picked knobs (``run_search``).
 
     Returns, per strategy and objective, the share of runs within ``tolerance`` of the
     exhaustive best after ``budget`` trials, the median gap to it, and the median
@@ -134,7 +136,7 @@ def evaluate(rule: ScheduleRule, spec: VariantSpec, costs: Dict[Tuple, Tuple[flo
     lookup = lambda knobs: costs.get(knob_key(knobs), missing)  # noqa: E731  (a knob the run did not time)
     out = {}
     for strategy in ("random", "evolve"):
-        histories = [run_search(strategy, rule, spec, lookup, budget, seed) for seed in range(seeds)]
+        histories = [run_search(strategy, rule, spec, target, lookup, budget, seed) for seed in range(seeds)]
         out[strategy] = []
         for objective in range(objectives):
             exhaustive = min(value[objective] for value in costs.values() if math.isfinite(value[objective]))

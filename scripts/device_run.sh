@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (no TVM there): install each carried apache-tvm-ffi wheel into its
 # own --target directory, then check and time the bundles built here and carried in artifacts/.
-#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile tune   (default: all but tune)
+#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile transformers tune
+#            (default: all but tune and transformers)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
 #                              artifacts/bundle was built with, else the newest carried); tests runs under each
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
@@ -99,6 +100,10 @@ print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' 
           --out "$RESULTS/$(basename "$bundle").json" >> "$RESULTS/tune.log" 2>&1 || status=1
       done
       grep -E "==|ceiling|DROPPED|wrote|Error" "$RESULTS/tune.log" | head -n 40 ;;
+    transformers)
+      # transformers' FP8 Qwen3 at Qwen3-8B's sizes, fused against unfused and bf16 (needs accelerate: carry its wheel).
+      python3 -P scripts/bench_transformers.py --out "$RESULTS/transformers.json" > "$RESULTS/transformers.log" 2>&1 || status=1
+      tail -n 12 "$RESULTS/transformers.log" ;;
     compile)
       python3 -P -m tvm_rmsquant bench --providers ours,triton,torch_compile,torch_eager --hidden 4096,7168 --rows 4096,16384 \
         --out /tmp/compile > "$RESULTS/compile.log" 2>&1

@@ -22,6 +22,10 @@ from tvm_rmsquant.codegen import bundle as builder  # noqa: E402
 from tvm_rmsquant.codegen.nvcc import NvccError, cuda_major, find_nvcc, parse_ptxas  # noqa: E402
 from tvm_rmsquant.loader import Bundle, BundleError  # noqa: E402
 from tvm_rmsquant.spec import VariantSpec  # noqa: E402
+from tvm_rmsquant.target import DEFAULT_ARCHS, scheduling_target  # noqa: E402
+
+#: What the default build schedules for.
+TARGET = scheduling_target(DEFAULT_ARCHS)
 
 SPECS = [
     VariantSpec("bf16", 2048, 128, True, "col", "ue8m0_packed"),
@@ -107,9 +111,8 @@ def test_the_torch_ops_library_takes_the_cuda_kernels_of_the_allocating_ops(buil
     script = (
         "import sys, torch; import tvm_rmsquant.ops; from tvm_rmsquant import native; from tvm_rmsquant.loader import Bundle;"
         "bundle = Bundle(sys.argv[1]); print(native.unavailable(bundle)); register = native._load(bundle);"
-        "from tvm_rmsquant.spec import VariantSpec; name = bundle.names()[0]; spec = VariantSpec.parse(name);"
-        "print(register(name, bundle.function(name), spec.group, *spec.scale.cxx_record(), spec.residual, spec.scale_ub, '9.0,10.0'));"
-        "ops = ('rms_norm_group_quant', 'fused_add_rms_norm_group_quant', 'add_rms_norm_group_quant', 'rms_norm_per_block_quant');"
+        "print(register(*native.registration(bundle, bundle.names()[0], '9.0,10.0')));"
+        "ops = ('rms_norm_group_quant', 'fused_add_rms_norm_group_quant', 'add_rms_norm_group_quant', 'group_quant', 'rms_norm_per_block_quant');"
         "[print(op, [l for l in torch._C._dispatch_dump('tvm_rmsquant::' + op).splitlines() if l.startswith('CUDA')]) for op in ops]"
     )
     result = subprocess.run([sys.executable, "-c", script, str(built[0] / "bundle")], capture_output=True, text=True)
@@ -119,9 +122,9 @@ def test_the_torch_ops_library_takes_the_cuda_kernels_of_the_allocating_ops(buil
 
     assert lines[0] == f"torch {torch.__version__} is a CPU build"
     assert lines[1] == "1"  # variants registered
-    for line in lines[2:5]:
+    for line in lines[2:6]:
         assert "torch_ops.cpp" in line, line
-    assert "torch_ops.cpp" not in lines[5] and "ops.py" in lines[5]  # the out-variant stays Python
+    assert "torch_ops.cpp" not in lines[6] and "ops.py" in lines[6]  # the out-variant stays Python
 
 
 def test_entry_points_check_their_arguments_on_the_host(built):
@@ -181,7 +184,7 @@ def test_the_lowering_cache_is_keyed_on_the_kernels_not_on_the_code_that_made_th
     assert list((tmp_path / "cache" / "digests").iterdir()), "the digests were remembered under the new fingerprint"
 
     def other_knobs(spec):
-        rule, knobs = builder.default_schedule(spec)
+        rule, knobs = builder.default_schedule(spec, TARGET)
         return rule, {**knobs, "min_blocks_per_sm": 2} if spec == SPECS[1] else knobs
 
     report = builder.build(SPECS, tmp_path / "changed", jobs=1, cache_dir=tmp_path / "cache", choose=other_knobs)

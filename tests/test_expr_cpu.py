@@ -1,7 +1,7 @@
 """The tensor expression, built for TVM's llvm target, against the torch reference.
 
 This is the issue's equivalence bar on every spec dimension: dtypes, group sizes,
-residual modes, layouts and formats, static and dynamic K, scale_ub; M in
+residual modes, the standalone quant (no norm), layouts and formats, static and dynamic K, scale_ub; M in
 {0, 1, 3, 17, 256}, K in {128, 1024, 4096, 7168}; random normal inputs with outliers.
 The measured match fractions are printed in the terminal summary.
 """
@@ -25,7 +25,8 @@ from tvm_rmsquant.spec import VariantSpec  # noqa: E402
 
 ROWS = (0, 1, 3, 17, 256)
 HIDDEN = (128, 1024, 4096, 7168)
-LAYOUT_FORMATS = (("row", "fp32"), ("row", "ue8m0"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed"))
+LAYOUT_FORMATS = (("row", "fp32"), ("row", "ue8m0"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed"),
+                  ("col_dense", "fp32"), ("col_dense", "ue8m0"))
 AGREEMENTS = []
 
 
@@ -42,6 +43,11 @@ def _static_cases():
         yield VariantSpec(dtype, 1024, 128, residual, layout, fmt, scale_ub=True)
     for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (False, True), MX_FORMATS):
         yield VariantSpec(dtype, 1024, 32, residual, layout, fmt, scale_ub=True)
+    # The standalone quant (norm=False): the same records, dtypes, groups and scale_ub.
+    for hidden, dtype, group, (layout, fmt), scale_ub in itertools.product((128, 4096), ("bf16", "fp16", "fp32"), (64, 128), LAYOUT_FORMATS, (False, True)):
+        yield VariantSpec(dtype, hidden, group, False, layout, fmt, scale_ub, norm=False)
+    for hidden, dtype, (layout, fmt) in itertools.product((128, 4096), ("bf16", "fp16", "fp32"), MX_FORMATS):
+        yield VariantSpec(dtype, hidden, 32, False, layout, fmt, norm=False)
 
 
 def _dynamic_cases():
@@ -49,6 +55,10 @@ def _dynamic_cases():
         yield VariantSpec(dtype, None, group, residual, layout, fmt)
     for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (False, True), MX_FORMATS):
         yield VariantSpec(dtype, None, 32, residual, layout, fmt)
+    for dtype, group, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), (64, 128), LAYOUT_FORMATS):
+        yield VariantSpec(dtype, None, group, False, layout, fmt, norm=False)
+    for dtype, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), MX_FORMATS):
+        yield VariantSpec(dtype, None, 32, False, layout, fmt, norm=False)
 
 
 def _check(spec, hidden):

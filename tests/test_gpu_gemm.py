@@ -96,10 +96,11 @@ class TritonBlockGEMM:
         return block_fp8_gemm(q, scales, self.codes, self.scales)
 
 
-@pytest.mark.parametrize("rows", [256, 1024])
+@pytest.mark.parametrize("rows", [1, 5, 256, 1024])
 def test_col_scales_feed_scaled_mm_blockwise_as_they_are(gpu_bundle, rows):
+    """M = 1 and 5 too: torch's BlockWise1x128 wants strides (1, M) and refuses TMA padding."""
     kernel = select(K, torch.bfloat16, consumer="cublas_blockwise", device="cuda", bundle=gpu_bundle.root)
-    assert (kernel.spec.layout, kernel.spec.format) == ("col", "fp32")
+    assert (kernel.spec.layout, kernel.spec.format) == ("col_dense", "fp32")
     gemm = ScaledMM(seed=1)
     q, scales = _assert_error_matches_reference_path(gemm, kernel, rows, seed=2)
     # What cuBLAS takes for BlockWise1x128: [M, K/128] with strides (1, M); ours already is.

@@ -4,21 +4,25 @@ import pytest
 
 from tvm_rmsquant.schedules import RULES, default_schedule, overriding, rule_by_name
 from tvm_rmsquant.spec import VariantSpec
+from tvm_rmsquant.target import DEFAULT_ARCHS, scheduling_target
+
+#: What the default build schedules for.
+TARGET = scheduling_target(DEFAULT_ARCHS)
 
 
 @pytest.mark.parametrize("spec", [VariantSpec("bf16", 7168, 128, True, "col", "ue8m0_packed"), VariantSpec("fp32", 2048, 64), VariantSpec("fp16", None, 128)])
 def test_every_candidate_is_valid_and_the_default_is_one_of_them(spec):
-    name, knobs = default_schedule(spec)
+    name, knobs = default_schedule(spec, TARGET)
     rule = rule_by_name(name)
-    candidates = list(rule.candidates(spec))
-    assert knobs in candidates and all(rule.check(spec, c) is None for c in candidates)
-    sample = rule.sample(spec, 3, seed=1)
+    candidates = list(rule.candidates(spec, TARGET))
+    assert knobs in candidates and all(rule.check(spec, c, TARGET) is None for c in candidates)
+    sample = rule.sample(spec, TARGET, 3, seed=1)
     assert len(sample) == min(3, len(candidates)) and all(s in candidates for s in sample)
 
 
 def test_static_specs_get_the_register_rule_and_dynamic_specs_the_fallback():
-    assert default_schedule(VariantSpec("bf16", 4096))[0] == "row_resident"
-    assert default_schedule(VariantSpec("bf16", None))[0] == "dynamic_rows"
+    assert default_schedule(VariantSpec("bf16", 4096), TARGET)[0] == "row_resident"
+    assert default_schedule(VariantSpec("bf16", None), TARGET)[0] == "dynamic_rows"
     assert [rule.name for rule in RULES] == ["row_resident", "dynamic_rows"]
 
 
@@ -26,13 +30,13 @@ def test_bad_knobs_are_refused_with_the_reason():
     rule = rule_by_name("row_resident")
     spec = VariantSpec("bf16", 7168, 128, layout="col", format="ue8m0_packed")
     with pytest.raises(ValueError, match="4 groups must belong to one thread"):
-        rule.validate(spec, {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 0})
+        rule.validate(spec, {"vector": 8, "groups_per_thread": 2, "min_blocks_per_sm": 0}, TARGET)
     with pytest.raises(ValueError, match="no knob"):
-        rule.validate(spec, {"vector": 8, "groups_per_thread": 4, "min_blocks_per_sm": 0, "unroll": 2})
+        rule.validate(spec, {"vector": 8, "groups_per_thread": 4, "min_blocks_per_sm": 0, "unroll": 2}, TARGET)
     with pytest.raises(ValueError, match=r"needs knob\(s\) \['min_blocks_per_sm'\]"):
-        rule.validate(spec, {"vector": 8, "groups_per_thread": 4})
+        rule.validate(spec, {"vector": 8, "groups_per_thread": 4}, TARGET)
     # An override the rule cannot take leaves the default in place.
-    assert overriding({"groups_per_thread": 2})(spec) == default_schedule(spec)
+    assert overriding({"groups_per_thread": 2}, TARGET)(spec) == default_schedule(spec, TARGET)
 
 
 def test_default_blocks_are_whole_warps_so_reductions_use_shuffles():
@@ -41,8 +45,37 @@ def test_default_blocks_are_whole_warps_so_reductions_use_shuffles():
 
     rule = rule_by_name("row_resident")
     for spec in preset("default"):
-        name, knobs = default_schedule(spec)
+        name, knobs = default_schedule(spec, TARGET)
         if name == "row_resident":
             lanes = spec.group // knobs["vector"]
             assert lanes * (spec.hidden // spec.group // knobs["groups_per_thread"]) % 32 == 0, spec.name
-    assert "not a whole number of warps" in rule.check(VariantSpec("bf16", 2560, 128), {"vector": 8, "groups_per_thread": 4})
+    assert "not a whole number of warps" in rule.check(VariantSpec("bf16", 2560, 128), {"vector": 8, "groups_per_thread": 4}, TARGET)
+
+
+def test_rules_take_the_target_as_an_argument():
+    """Occupancy is the target's fact, not the rule's: a hypothetical sm_90a with half the
+    resident threads per SM loses exactly the candidates whose min_blocks_per_sm overflow it."""
+    import dataclasses
+
+    from tvm_rmsquant.target import TARGETS
+
+    small = dataclasses.replace(TARGETS["sm_90a"], threads_per_sm=1024)
+    spec = VariantSpec("bf16", 7168, 128)
+    rule = rule_by_name(default_schedule(spec, TARGET)[0])
+    full, halved = list(rule.candidates(spec, TARGET)), list(rule.candidates(spec, small))
+    assert halved and set(map(str, halved)) < set(map(str, full))
+    lost = [knobs for knobs in full if knobs not in halved]
+    assert lost and all("threads of an sm_90a SM" in rule.check(spec, knobs, small) for knobs in lost)
+    assert all(rule.check(spec, knobs, TARGET) is None for knobs in lost)
+
+
+def test_one_schedule_serves_every_arch_of_a_build_or_the_build_is_refused(monkeypatch):
+    import dataclasses
+
+    from tvm_rmsquant import target
+
+    assert scheduling_target(("sm_100a", "sm_90a")) is target.TARGETS["sm_90a"]
+    assert scheduling_target(("sm_100a",)) is target.TARGETS["sm_100a"]
+    monkeypatch.setitem(target.TARGETS, "sm_100a", dataclasses.replace(target.TARGETS["sm_100a"], threads_per_sm=1024))
+    with pytest.raises(ValueError, match="arch=sm_100a has 1024 threads per SM, fewer than the 2048 of sm_90a"):
+        scheduling_target(("sm_90a", "sm_100a"))

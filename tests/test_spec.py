@@ -66,19 +66,30 @@ def test_dynamic_packed_kernels_need_whole_words():
 
 
 def test_default_preset_covers_the_consumer_table():
-    specs = preset("default")
+    everything = preset("default")
+    specs = [s for s in everything if s.norm]
     hidden = {s.hidden for s in specs}
     assert {2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None} <= hidden
-    assert {(s.layout, s.format) for s in specs} == {("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed")}
+    assert {(s.layout, s.format) for s in specs} == {("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed"),
+                                                     ("tiled", "mxfp8"), ("col_dense", "fp32")}
     assert {s.hidden for s in specs if s.group == 64} == {4096, 7168, None}
     assert {s.dtype for s in specs} == {"bf16", "fp16"} and {s.residual for s in specs} == {False, True}
     dynamic = [s for s in specs if s.is_dynamic and not s.scale_ub]
-    # (dtype, residual) x G in {128, 64} x 4 consumer layouts, plus G = 32 packed UE8M0.
-    assert len(dynamic) == 2 * 2 * 2 * 4 + 2 * 2
-    # G = 32: packed UE8M0 only (Blackwell DeepGEMM), at every default hidden size and dynamic K.
+    # (dtype, residual) x G in {128, 64} x 4 consumer layouts, plus G = 32 packed UE8M0 and MXFP8 tiles,
+    # plus G = 128 dense col (torch's BlockWise1x128 scaled_mm).
+    assert len(dynamic) == 2 * 2 * 2 * 4 + 2 * 2 * 2 + 2 * 2
+    # G = 32: the two Blackwell consumers (DeepGEMM's packed UE8M0, cuBLAS MXFP8 tiles), at every default
+    # hidden size and dynamic K.
     grouped32 = {(s.dtype, s.hidden, s.residual, s.layout, s.format) for s in specs if s.group == 32}
-    assert grouped32 == {(d, k, r, "col", "ue8m0_packed") for d in ("bf16", "fp16") for r in (False, True)
-                         for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None)}
-    # scale_ub kernels: dynamic K, G = 128, fp32 scales in both layouts (run by the GPU tests).
+    assert grouped32 == {(d, k, r, layout, fmt) for d in ("bf16", "fp16") for r in (False, True)
+                         for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None)
+                         for layout, fmt in (("col", "ue8m0_packed"), ("tiled", "mxfp8"))}
+    dense = {(s.hidden, s.group) for s in specs if s.layout == "col_dense"}
+    assert dense == {(k, 128) for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None)}
+    # The standalone quant: dynamic K, every (group, layout, format) the fused kernels have, no scale_ub.
+    standalone = [s for s in everything if not s.norm]
+    assert all(s.is_dynamic and not s.residual and not s.scale_ub for s in standalone)
+    assert {(s.dtype, s.group, s.layout, s.format) for s in standalone} == {
+        (s.dtype, s.group, s.layout, s.format) for s in dynamic}
     capped = {(s.dtype, s.hidden, s.group, s.residual, s.layout, s.format) for s in specs if s.scale_ub}
     assert capped == {(d, None, 128, r, layout, "fp32") for d in ("bf16", "fp16") for r in (False, True) for layout in ("row", "col")}

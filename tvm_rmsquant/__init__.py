@@ -21,6 +21,7 @@ _PUBLIC = {
     "open_bundle": "loader",
     "ops": None,
     "rms_norm_group_quant": "api",
+    "group_quant": "api",
     "BoundKernel": "dispatch",
     "select": "dispatch",
 }

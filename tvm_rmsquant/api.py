@@ -38,6 +38,17 @@ def _resolve(spec: VariantSpec, device_type: str, weight_dtype: torch.dtype) -> 
     return BoundKernel(spec, chosen.name, why + [Candidate(chosen.name, True, "in the default bundle")])
 
 
+def _check_scale_ub(x: torch.Tensor, scale_ub: Optional[torch.Tensor]) -> None:
+    if scale_ub is not None:
+        # The functional API is not the hot path: check the cap's value here (one sync on CUDA).
+        if not isinstance(scale_ub, torch.Tensor) or scale_ub.numel() != 1 or scale_ub.dtype != torch.float32:
+            raise ValueError(f"scale_ub must be a one-element float32 tensor, got {scale_ub!r}")
+        if scale_ub.device != x.device:
+            raise ValueError(f"scale_ub is on {scale_ub.device} but x is on {x.device}; put every tensor on one device")
+        if not float(scale_ub) > 0:
+            raise ValueError(f"scale_ub={float(scale_ub)} must be > 0 (it caps each group's absmax)")
+
+
 def rms_norm_group_quant(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -64,13 +75,25 @@ def rms_norm_group_quant(
         raise ValueError(f"weight must be [{x.shape[-1]}] (x.shape[-1]), got shape {tuple(weight.shape)} for x {tuple(x.shape)}")
     if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} like x, got {tuple(getattr(residual, 'shape', ()))} {getattr(residual, 'dtype', type(residual))}")
-    if scale_ub is not None:
-        # The functional API is not the hot path: check the cap's value here (one sync on CUDA).
-        if not isinstance(scale_ub, torch.Tensor) or scale_ub.numel() != 1 or scale_ub.dtype != torch.float32:
-            raise ValueError(f"scale_ub must be a one-element float32 tensor, got {scale_ub!r}")
-        if scale_ub.device != x.device:
-            raise ValueError(f"scale_ub is on {scale_ub.device} but x is on {x.device}; put every tensor on one device")
-        if not float(scale_ub) > 0:
-            raise ValueError(f"scale_ub={float(scale_ub)} must be > 0 (it caps each group's absmax)")
+    _check_scale_ub(x, scale_ub)
     spec = VariantSpec(DTYPE_NAMES[x.dtype], x.shape[-1], group_size, residual is not None, scale_layout, scale_format, scale_ub is not None)
     return _resolve(spec, x.device.type, weight.dtype)(x, weight, eps, residual, scale_ub)
+
+
+def group_quant(
+    x: torch.Tensor,
+    group_size: int = 128,
+    scale_layout: str = "row",
+    scale_format: str = "fp32",
+    scale_ub: Optional[torch.Tensor] = None,
+):
+    """Per-group FP8 quantization of x [..., K] alone (no norm): vLLM's
+    ``per_token_group_fp8_quant``, for linear layers that follow no norm. Returns q and the
+    scales as ``rms_norm_group_quant`` does. For repeated calls, prefer ``select(norm=False)``."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPE_NAMES:
+        raise TypeError(f"x must be a bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1:
+        raise ValueError(f"x is 0-D; it must be [..., K] with K the hidden size, got shape {tuple(x.shape)}")
+    _check_scale_ub(x, scale_ub)
+    spec = VariantSpec(DTYPE_NAMES[x.dtype], x.shape[-1], group_size, False, scale_layout, scale_format, scale_ub is not None, norm=False)
+    return _resolve(spec, x.device.type, x.dtype)(x, scale_ub=scale_ub)

@@ -44,7 +44,9 @@ from typing import FrozenSet, List, Optional, Tuple
 #:    loader checks in place of the apache-tvm-ffi version the bundle was built with.
 #: 5: libraries hold SASS for several archs: ``toolchain.target_archs`` lists them (was one
 #:    ``target_arch``) and each kernel's ``ptxas`` figures are keyed by arch.
-SCHEMA_VERSION = 5
+#: 6: the torch ops library serves the standalone quant (``group_quant``): its
+#:    ``register_variant`` takes the variant's ``norm`` flag.
+SCHEMA_VERSION = 6
 MANIFEST_FILE = "manifest.json"
 CURRENT_FILE = "CURRENT"
 LOCK_FILE = ".lock"

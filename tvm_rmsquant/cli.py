@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .bundle_format import default_bundle_dir, sha256_file
-from .target import DEFAULT_ARCHS, TARGETS, targets
+from .target import DEFAULT_ARCHS, TARGETS, scheduling_target
 
 
 def _parse_hidden(text: str) -> List[int]:
@@ -24,28 +24,24 @@ def _parse_hidden(text: str) -> List[int]:
 
 
 def _parse_knobs(text: str):
-    """name=int pairs whose names and values some rule has for some spec a build can make
-    (preset 'all'). A refusal is one line and exit 2: argparse's own would print the usage first."""
-    from .presets import preset
-    from .schedules import check_overrides
-
+    """name=int pairs; ``_build`` checks them against the rules' spaces for the build's target.
+    A refusal is one line and exit 2: argparse's own would print the usage first."""
     try:
-        knobs = {key: int(value) for key, value in (pair.split("=") for pair in text.split(",") if pair)}
-        reason = check_overrides(knobs, preset("all"))
+        return {key: int(value) for key, value in (pair.split("=") for pair in text.split(",") if pair)}
     except ValueError:
-        reason = "expected name=int pairs such as groups_per_thread=8,vector=8"
-    if reason is not None:
-        print(f"error: --knobs={text!r}: {reason}", file=sys.stderr)
-        raise SystemExit(2)
-    return knobs
+        print(f"error: --knobs={text!r}: expected name=int pairs such as groups_per_thread=8,vector=8", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _parse_archs(text: str):
-    """A comma-separated arch list; a refusal is one line and exit 2, as for --knobs."""
-    from .target import parse_archs
+    """A comma-separated arch list that one schedule can serve; a refusal is one line and exit 2,
+    as for --knobs."""
+    from .target import parse_archs, scheduling_target
 
     try:
-        return parse_archs(text)
+        archs = parse_archs(text)
+        scheduling_target(archs)
+        return archs
     except ValueError as error:
         print(f"error: --arch={text!r}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -128,6 +124,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _build(args) -> int:
     from .presets import preset
+    from .schedules import check_overrides, overriding
+
+    # A knob that no rule has for any spec a build can make (preset 'all') on this target is
+    # refused; one that some rule has is applied wherever it fits (``overriding``).
+    schedule_target = scheduling_target(args.arch)
+    reason = check_overrides(args.knobs, preset("all"), schedule_target)
+    if reason is not None:
+        knobs = ",".join(f"{name}={value}" for name, value in args.knobs.items())
+        print(f"error: --knobs={knobs!r}: {reason}", file=sys.stderr)
+        return 2
 
     try:
         from .codegen import bundle as builder
@@ -161,7 +167,6 @@ def _build(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .schedules import overriding
     from .schedules.database import DEFAULT_DATABASE, DatabaseError, TuningDatabase, build_target
 
     tuned, extra = None, {}
@@ -173,14 +178,15 @@ def _build(args) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         tools = builder.toolchain(args.arch)
-        target = build_target(tools, targets(args.arch)[0].capability, args.tuning_gpu)
+        target = build_target(tools, schedule_target.capability, args.tuning_gpu)
         kernel_digest = builder.remembered_kernel_digests(cache, tools)
         tuned, rejected = database.for_build(target, {spec.name for spec in specs}, kernel_digest)
         print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
         for reason in rejected:
             print(f"  rejected {reason}")
         extra = {"tuning": {"database_sha256": sha256_file(path), "records": sorted(f"{spec} M<={rows}" for spec, rows in tuned.records)}}
-    libraries = builder.plan(specs, overriding(args.knobs), tuned)
+    choose = overriding(args.knobs, schedule_target)
+    libraries = builder.plan(specs, choose, tuned, args.arch)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
         tasks = {
             "lower": bar.add_task("lower (TVM)", total=sum(len(variants) for variants in libraries.values())),
@@ -188,7 +194,7 @@ def _build(args) -> int:
         }
         try:
             report = builder.build(
-                specs, out, jobs=args.jobs, cache_dir=cache, choose=overriding(args.knobs), tuned=tuned,
+                specs, out, jobs=args.jobs, cache_dir=cache, choose=choose, tuned=tuned,
                 progress=lambda stage, n: bar.advance(tasks[stage], n), extra=extra, archs=args.arch,
             )
         except OSError as error:

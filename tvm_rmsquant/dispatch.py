@@ -27,7 +27,8 @@ CONSUMERS = {
     "deepgemm_sm90": ("col", "fp32"),
     "deepgemm_sm90_ue8m0": ("col", "ue8m0"),
     "deepgemm_sm100": ("col", "ue8m0_packed"),
-    "cublas_blockwise": ("col", "fp32"),
+    # torch's BlockWise1x128 scaled_mm: strides exactly (1, M) (it refuses TMA padding).
+    "cublas_blockwise": ("col_dense", "fp32"),
     # cuBLAS MXFP8 (torch's scaled_mm, BlockWise1x32 with SWIZZLE_32_4_4; Blackwell): G = 32.
     "cublas_mxfp8": ("tiled", "mxfp8"),
     "triton": ("row", "fp32"),
@@ -40,16 +41,22 @@ def _dispatcher_entry(overload):
     return getattr(overload, "_op", overload)
 
 
-#: The ops a BoundKernel calls, (without residual, with residual): while torch.compile traces
-#: (the graph records these), and eagerly.
-TRACED_OPS = (ops.rms_norm_group_quant.default, ops.fused_add_rms_norm_group_quant.default)
+#: The ops a BoundKernel calls, (without residual, with residual, the standalone quant): while
+#: torch.compile traces (the graph records these), and eagerly.
+TRACED_OPS = (ops.rms_norm_group_quant.default, ops.fused_add_rms_norm_group_quant.default, ops.group_quant.default)
 EAGER_OPS = tuple(map(_dispatcher_entry, TRACED_OPS))
+
+
+def _op_index(spec: VariantSpec) -> int:
+    """Which of TRACED_OPS / EAGER_OPS runs ``spec``."""
+    return 2 if not spec.norm else int(spec.residual)
 _is_compiling = torch.compiler.is_compiling
 
 
 @dataclasses.dataclass
 class BoundKernel:
-    """One layer's fused norm + quant, fixed at init. Call with (x, weight, eps, residual).
+    """One layer's fused norm + quant, fixed at init. Call with (x, weight, eps, residual), or
+    with x alone where the spec is the standalone quant (``select(norm=False)``).
 
     It calls the torch op, which torch.compile records and which, eagerly on CUDA, is one
     dispatcher entry into the bundle's C++ implementation. Where that cannot load,
@@ -70,14 +77,20 @@ class BoundKernel:
     def __post_init__(self):
         # The eager op for this variant's arguments, looked up once (None: take the general path).
         eager = self.variant is not None and self.kernel is None and not self.spec.scale_ub
-        self._eager_op = EAGER_OPS[self.spec.residual] if eager else None
+        self._eager_op = EAGER_OPS[_op_index(self.spec)] if eager else None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None, scale_ub=None):
+    def __call__(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6, residual: Optional[torch.Tensor] = None, scale_ub=None):
         """(q, scales) for x [..., K]; ``residual`` (if the variant has one) is updated in place."""
         op = self._eager_op
         # The per-step path, kept to a few bytecodes: 2-D x, the variant's own arguments, eager.
         if op is not None and (residual is None) is not self.spec.residual and x.dim() == 2 and not _is_compiling():
-            return op(x, weight, eps, self.variant) if residual is None else op(x, residual, weight, eps, self.variant)
+            if not self.spec.norm:
+                if weight is None:
+                    return op(x, self.variant)
+            elif residual is None:
+                return op(x, weight, eps, self.variant)
+            else:
+                return op(x, residual, weight, eps, self.variant)
         return self._call(x, weight, eps, residual, scale_ub)
 
     def _call(self, x, weight, eps, residual, scale_ub):
@@ -97,9 +110,11 @@ class BoundKernel:
                         f"{tuple(flat.shape)} rows, which it is updated in place as; pass a contiguous residual"
                     ) from None
         compiling = _is_compiling()
+        norm = self.spec.norm
         if self.variant is None:
             # The reference runs the contract's checks too: a layer routed here is no less checked.
-            check_eps(eps)
+            if norm:
+                check_eps(eps)
             ops.check_arguments(self.spec, flat, weight, residual_flat, scale_ub, self.weight_dtype)
             if residual is not None:
                 ops.check_mutable("residual", residual)
@@ -107,12 +122,16 @@ class BoundKernel:
             if residual is not None:
                 residual.copy_(residual_out.view(residual.shape))
         elif self.kernel is not None and not compiling:
-            q, scales = self.kernel(flat, weight, eps, residual=residual_flat, scale_ub=scale_ub)
+            q, scales = self.kernel(flat, weight, eps if norm else None, residual=residual_flat, scale_ub=scale_ub)
         else:
-            plain, fused = TRACED_OPS if compiling else EAGER_OPS
+            plain, fused, standalone = TRACED_OPS if compiling else EAGER_OPS
             # scale_ub only when given: an explicit None costs the dispatcher's argument parsing.
             cap = () if scale_ub is None else (scale_ub,)
-            if residual_flat is None:
+            if not norm:
+                if weight is not None or residual is not None:
+                    ops.check_arguments(self.spec, flat, weight, residual_flat, scale_ub)
+                q, scales = standalone(flat, self.variant, *cap)
+            elif residual_flat is None:
                 q, scales = plain(flat, weight, eps, self.variant, *cap)
             else:
                 q, scales = fused(flat, residual_flat, weight, eps, self.variant, *cap)
@@ -156,8 +175,11 @@ def select(
     output_dtype: torch.dtype = torch.bfloat16,
     scale_ub: bool = False,
     weight_dtype: Optional[torch.dtype] = None,
+    norm: bool = True,
 ) -> BoundKernel:
     """Choose the kernel for one layer: static-K, then dynamic-K, then the torch reference.
+
+    ``norm=False`` selects the standalone quant (no norm, no residual): call the result with x.
 
     ``weight_dtype`` is the norm weight's dtype where it differs from the activations'
     (Gemma-style fp32 weights with bf16 activations): the kernels take one dtype, so such
@@ -174,11 +196,11 @@ def select(
         if refusal is not None:
             why.append(Candidate(f"consumer {consumer}", False, refusal + "; falling back to Triton's row-major fp32 scales"))
             layout, fmt = CONSUMERS["triton"]
-    spec = VariantSpec(DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub)
+    spec = VariantSpec(DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub, norm=norm)
     device = torch.device(device)
 
     chosen = None
-    if weight_dtype is not None and weight_dtype != dtype:
+    if weight_dtype is not None and weight_dtype != dtype and norm:
         why.append(Candidate(spec.name, False, f"the norm weight is {weight_dtype} and the activations {dtype}; kernels take one dtype"))
     elif device.type == "cuda" and not torch.cuda.is_available():
         why.append(Candidate("device", False, f"device={device}, but this torch {torch.__version__} has no CUDA device"))

@@ -10,7 +10,8 @@ Stages, by block name (schedules find them by these names and never restate the 
     residual   dtype(h)                                the updated residual (residual variants)
     sumsq      sum_k h^2
     rms        1 / sqrt(sumsq / K + eps)
-    y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))
+    y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))   (the standalone quant, norm=False:
+               y = h = fp32(x), and there is no sumsq, rms, weight or eps)
     absmax     max over each group of bits(|y|)        NaN-propagating, see below
     scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0; NaN if ub <= 0
                (or the OCP MX rule: the record's ``QuantTraits.rounding``)
@@ -211,7 +212,6 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
 
     shape = (rows, groups, group)
     x = te.placeholder(shape, dtype, name="x")
-    weight = te.placeholder((groups, group), dtype, name="weight")
     r = te.placeholder(shape, dtype, name="r") if spec.residual else None
     ub = te.placeholder((1,), F32, name="scale_ub") if spec.scale_ub else None
 
@@ -221,29 +221,13 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
         h = te.compute(shape, lambda m, g, j: x[m, g, j].astype(F32) + r[m, g, j].astype(F32), name="h")
     residual = te.compute(shape, lambda m, g, j: h[m, g, j].astype(dtype), name="residual") if r is not None else None
 
-    g_axis = te.reduce_axis((0, groups), name="gr")
-    j_axis = te.reduce_axis((0, group), name="jr")
-    sumsq = te.compute(
-        (rows,), lambda m: te.sum(h[m, g_axis, j_axis] * h[m, g_axis, j_axis], axis=[g_axis, j_axis]), name="sumsq"
-    )
-    rms = te.compute(
-        (rows,), lambda m: _f32(1.0) / tirx.sqrt(sumsq[m] / tirx.Cast(F32, hidden) + eps), name="rms"
-    )
-
-    def round_to_dtype(value):
-        if portable_casts and dtype == "bfloat16":
-            return bf16_round_bits(value)
-        return value.astype(dtype).astype(F32)
-
-    def normalize(m, g, j):
-        if portable_casts or dtype == F32:
-            normed = round_to_dtype(h[m, g, j] * rms[m])
-            return round_to_dtype(normed * weight[g, j].astype(F32))
-        # A product of two 16-bit floats is exact in fp32, so rounding it to dtype is the
-        # 16-bit multiply itself (one HMUL on CUDA instead of two conversions and an FMUL).
-        return ((h[m, g, j] * rms[m]).astype(dtype) * weight[g, j]).astype(F32)
-
-    y = te.compute(shape, normalize, name="y")
+    if spec.norm:
+        weight = te.placeholder((groups, group), dtype, name="weight")
+        y, norm_tensors = _normalized(h, weight, eps, rows, groups, group, hidden, dtype, portable_casts)
+    else:
+        # The standalone quant: the groups of x itself (y = h = fp32(x), an exact widening).
+        weight, norm_tensors = None, {}
+        y = te.compute(shape, lambda m, g, j: h[m, g, j], name="y")
 
     lane_axis = te.reduce_axis((0, group), name="jr")
     absmax = te.compute(
@@ -299,16 +283,47 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     else:
         scales = scale
 
-    tensors = {"x": x, "weight": weight, "h": h, "sumsq": sumsq, "rms": rms, "y": y, "absmax": absmax, "scale": scale, "ratio": ratio, "q": q, "scales": scales}
+    tensors = {"x": x, "h": h, "y": y, "absmax": absmax, "scale": scale, "ratio": ratio, "q": q, "scales": scales, **norm_tensors}
     if r is not None:
         tensors.update(r=r, residual=residual)
     if ub is not None:
         tensors["scale_ub"] = ub
 
-    args = [x] + ([r] if r is not None else []) + [weight] + ([ub] if ub is not None else []) + [eps, q, scales]
+    args = [x] + ([r] if r is not None else []) + ([weight] if weight is not None else [])
+    args += ([ub] if ub is not None else []) + ([eps] if spec.norm else []) + [q, scales]
     if residual is not None:
         args.append(residual)
     return FusedExpr(spec=spec, rows=rows, groups=groups, tensors=tensors, eps=eps, args=args)
+
+
+def _normalized(h, weight, eps, rows, groups, group, hidden, dtype, portable_casts):
+    """y, the RMSNorm of h times the weight rounded as the contract says, and the stages
+    that make it (``sumsq``, ``rms``, ``weight``)."""
+    shape = (rows, groups, group)
+    g_axis = te.reduce_axis((0, groups), name="gr")
+    j_axis = te.reduce_axis((0, group), name="jr")
+    sumsq = te.compute(
+        (rows,), lambda m: te.sum(h[m, g_axis, j_axis] * h[m, g_axis, j_axis], axis=[g_axis, j_axis]), name="sumsq"
+    )
+    rms = te.compute(
+        (rows,), lambda m: _f32(1.0) / tirx.sqrt(sumsq[m] / tirx.Cast(F32, hidden) + eps), name="rms"
+    )
+
+    def round_to_dtype(value):
+        if portable_casts and dtype == "bfloat16":
+            return bf16_round_bits(value)
+        return value.astype(dtype).astype(F32)
+
+    def normalize(m, g, j):
+        if portable_casts or dtype == F32:
+            normed = round_to_dtype(h[m, g, j] * rms[m])
+            return round_to_dtype(normed * weight[g, j].astype(F32))
+        # A product of two 16-bit floats is exact in fp32, so rounding it to dtype is the
+        # 16-bit multiply itself (one HMUL on CUDA instead of two conversions and an FMUL).
+        return ((h[m, g, j] * rms[m]).astype(dtype) * weight[g, j]).astype(F32)
+
+    y = te.compute(shape, normalize, name="y")
+    return y, {"weight": weight, "sumsq": sumsq, "rms": rms}
 
 
 def _with_padded_col_strides(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:

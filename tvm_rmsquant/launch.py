@@ -1,7 +1,8 @@
 """The kernel calling convention, shared by the CUDA bundle and the CPU (llvm) build.
 
 Arguments, in order: x, [residual], weight, [scale_ub], eps, q, scales, [residual_out], with
-row tensors [M, K] and weight [K], as torch holds them. The tensor expression itself
+row tensors [M, K] and weight [K], as torch holds them; the standalone quant (``norm=False``)
+takes x, [scale_ub], q, scales. The tensor expression itself
 takes rows as [M, K/G, G] and weight as [K/G, G] (see ``tvm_rmsquant.expr``); the
 bundle's entry points make those views in C++ (``codegen/row_views.cuh``), and the CPU
 build in ``group_views`` below. Neither launches when M = 0.
@@ -33,10 +34,13 @@ def parameters(spec: VariantSpec) -> List[Tuple[str, int]]:
     names = [("x", ROWS)]
     if spec.residual:
         names.append(("residual", ROWS))
-    names.append(("weight", WEIGHT))
+    if spec.norm:
+        names.append(("weight", WEIGHT))
     if spec.scale_ub:
         names.append(("scale_ub", AS_IS))
-    names += [("eps", EPS), ("q", ROWS), ("scales", AS_IS)]
+    if spec.norm:
+        names.append(("eps", EPS))
+    names += [("q", ROWS), ("scales", AS_IS)]
     if spec.residual:
         names.append(("residual_out", ROWS))
     return names
@@ -45,17 +49,17 @@ def parameters(spec: VariantSpec) -> List[Tuple[str, int]]:
 def kernel_args(
     spec: VariantSpec,
     x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
+    weight: Optional[torch.Tensor],
+    eps: Optional[float],
     q: torch.Tensor,
     scales: torch.Tensor,
     residual: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
     scale_ub: Optional[torch.Tensor] = None,
 ) -> list:
-    args = [x] + ([residual] if spec.residual else []) + [weight]
-    args += ([scale_ub] if spec.scale_ub else []) + [float(eps), q, scales]
-    return args + ([residual_out] if spec.residual else [])
+    named = {"x": x, "residual": residual, "weight": weight, "scale_ub": scale_ub, "eps": None if eps is None else float(eps),
+             "q": q, "scales": scales, "residual_out": residual_out}
+    return [named[name] for name, _ in parameters(spec)]
 
 
 def group_views(spec: VariantSpec, args: Sequence) -> list:

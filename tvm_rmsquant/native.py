@@ -1,7 +1,7 @@
 """The allocating ops' CUDA implementation in C++ (a bundle's ``torch_ops.so``).
 
-With it, an eager CUDA call of ``rms_norm_group_quant``, ``fused_add_rms_norm_group_quant``
-or ``add_rms_norm_group_quant`` is one torch dispatcher entry: C++ allocates q and the
+With it, an eager CUDA call of ``rms_norm_group_quant``, ``fused_add_rms_norm_group_quant``,
+``add_rms_norm_group_quant`` or ``group_quant`` is one torch dispatcher entry: C++ allocates q and the
 scales and launches the variant's kernel on torch's current stream
 (``codegen/torch_ops.cpp``). Without it (a CPU-only torch, a torch older than the
 library's stable-ABI target, a library that fails to load), those ops run their Python
@@ -58,6 +58,14 @@ def _load(bundle: Bundle):
     return _register
 
 
+def registration(bundle: Bundle, name: str, capabilities: str) -> tuple:
+    """``register_variant``'s arguments for variant ``name`` of ``bundle`` (``codegen/torch_ops.cpp``
+    takes them in this order): name, entry point, group, the scale layout record, then
+    norm, residual, scale_ub and the compute capabilities the code runs on ("9.0,10.0")."""
+    spec = VariantSpec.parse(name)
+    return (name, bundle.function(name), spec.group, *spec.scale.cxx_record(), spec.norm, spec.residual, spec.scale_ub, capabilities)
+
+
 def activate(bundle: Bundle, names: Sequence[str]) -> Optional[str]:
     """Route ``names`` (variants of ``bundle``) through the C++ ops; None when they run
     there, else why not (logged)."""
@@ -68,9 +76,7 @@ def activate(bundle: Bundle, names: Sequence[str]) -> Optional[str]:
                 register = _load(bundle)
                 capabilities = ",".join(f"{target.capability[0]}.{target.capability[1]}" for target in targets(bundle.target_archs))
                 for name in names:
-                    spec = VariantSpec.parse(name)
-                    register(name, bundle.function(name), spec.group, *spec.scale.cxx_record(),
-                             spec.residual, spec.scale_ub, capabilities)
+                    register(*registration(bundle, name, capabilities))
         except BundleError as error:
             reason = str(error)
     if reason is not None:

@@ -1,6 +1,7 @@
 """Torch custom ops in the ``tvm_rmsquant`` namespace.
 
-``variant`` names a ``VariantSpec`` (static or dynamic K). CUDA kernels come from the
+``variant`` names a ``VariantSpec`` (static or dynamic K; ``group_quant`` takes the
+standalone quant's ``_nonorm`` variants, the other allocating ops the fused ones). CUDA kernels come from the
 registered bundle (``use_bundle``, called by the dispatcher at init, or the default
 bundle on first use). On CUDA the allocating ops run the bundle's C++ implementation
 (``tvm_rmsquant.native``) where this torch can load it, else the Python one below, which
@@ -19,6 +20,7 @@ requires grad; under ``torch.inference_mode()`` that check costs nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Dict, Optional, Tuple
 
@@ -42,6 +44,9 @@ _library.define(
     "add_rms_norm_group_quant(Tensor x, Tensor residual, Tensor weight, float eps, str variant, "
     "Tensor? scale_ub=None) -> (Tensor, Tensor, Tensor)"
 )
+# The standalone quant (a ``_nonorm`` variant): vLLM's per_token_group_fp8_quant, for linear
+# layers that follow no norm.
+_library.define("group_quant(Tensor x, str variant, Tensor? scale_ub=None) -> (Tensor, Tensor)")
 # vLLM 0.33's ``_C.rms_norm_per_block_quant``: its argument names, types, order and
 # mutations (vLLM calls it by keyword: result=, scale=), so that a vLLM graph node can be
 # retargeted here as is. One trailing argument with a default, scale_ue8m0, asks for the
@@ -103,28 +108,27 @@ class Kernel:
     def __call__(self, x, weight, eps, q=None, scales=None, residual=None, scale_ub=None, residual_out=None):
         """(q, scales), written into the given buffers or into new ones.
 
-        The updated residual goes to ``residual_out`` when given, else into ``residual`` in place.
+        The updated residual goes to ``residual_out`` when given, else into ``residual`` in
+        place. A standalone quant (``norm=False``) takes weight=None and eps=None.
         """
         spec = self.spec
-        check_eps(eps)
+        if spec.norm:
+            check_eps(eps)
         if residual is not None and residual_out is None:
             check_mutable("residual", residual)
-        if not self.checks_natively or (residual is None) == spec.residual or (scale_ub is None) == spec.scale_ub:
+        if not self.checks_natively or (residual is None) == spec.residual or (scale_ub is None) == spec.scale_ub or (weight is None) == spec.norm:
             check_arguments(spec, x, weight, residual, scale_ub)
         if not x.is_contiguous():
             if x.stride(-1) != 1:
                 check_arguments(spec, x, weight, residual, scale_ub)
             x = x.contiguous()  # strided rows: the kernel reads compact rows
-        if not weight.is_contiguous():
+        if weight is not None and not weight.is_contiguous():
             weight = weight.contiguous()
         if q is None:
             q = torch.empty_like(x, dtype=FP8)
             scales = self.scales(x.shape[0], x.shape[1], x.device)
         if residual is None:
-            if scale_ub is None:
-                self.function(x, weight, eps, q, scales)
-            else:
-                self.function(x, weight, scale_ub, eps, q, scales)
+            self.function(*launch.kernel_args(spec, x, weight, eps, q, scales, scale_ub=scale_ub))
             return q, scales
         if residual.stride(-1) != 1:
             raise ValueError(f"residual must have a contiguous last dimension, got strides {residual.stride()}")
@@ -133,10 +137,7 @@ class Kernel:
         source = residual if residual.is_contiguous() else residual.contiguous()
         # In place, each residual element is read and then overwritten by the same thread.
         target = source if residual_out is None else residual_out
-        if scale_ub is None:
-            self.function(x, source, weight, eps, q, scales, target)
-        else:
-            self.function(x, source, weight, scale_ub, eps, q, scales, target)
+        self.function(*launch.kernel_args(spec, x, weight, eps, q, scales, source, target, scale_ub))
         if residual_out is None and target is not residual:
             residual.copy_(target)
         return q, scales
@@ -179,7 +180,7 @@ def _reference_function(spec: VariantSpec):
     def call(*args):
         named = dict(zip(parameters, args))
         q, scales, residual = reference.rms_norm_group_quant(
-            named["x"], named["weight"], named["eps"], spec, named.get("residual"), named.get("scale_ub")
+            named["x"], named.get("weight"), named.get("eps"), spec, named.get("residual"), named.get("scale_ub")
         )
         named["q"].copy_(q)
         named["scales"].copy_(scales)
@@ -233,9 +234,15 @@ def check_arguments(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, re
         raise ValueError(f"x.shape[-1]={hidden}: variant {spec.name} {reason}")
     if x.stride(-1) != 1:
         raise ValueError(f"x must have a contiguous last dimension, got strides {x.stride()}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
-    if weight_dtype is not None and weight_dtype != dtype:
+    if not spec.norm:
+        if weight is not None:
+            raise ValueError(f"variant {spec.name} is a standalone quant: it takes no weight (call group_quant)")
+    elif not isinstance(weight, torch.Tensor):
+        raise TypeError(
+            f"weight must be a tensor, got {type(weight).__name__}"
+            + ("" if weight is not None else f"; variant {spec.name} normalizes (a _nonorm variant quantizes x alone)")
+        )
+    elif weight_dtype is not None and weight_dtype != dtype:
         if weight.dtype != weight_dtype:
             raise TypeError(f"weight.dtype={weight.dtype}; this layer was selected for a {weight_dtype} norm weight")
     elif weight.dtype != dtype:
@@ -244,7 +251,7 @@ def check_arguments(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, re
             f"{weight.dtype} norm weight (Gemma-style) use tvm_rmsquant.select(..., weight_dtype={weight.dtype}), "
             f"which routes to the torch reference"
         )
-    if weight.shape != (hidden,):
+    if weight is not None and weight.shape != (hidden,):
         raise ValueError(f"weight must be [{hidden}] (x.shape[-1]), got shape {tuple(weight.shape)}")
     if spec.residual != (residual is not None):
         raise ValueError(
@@ -276,6 +283,18 @@ def _rms_norm_group_quant(x, weight, eps, variant, scale_ub=None):
 
 def _fused_add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=None):
     return _kernel_of(variant, x)(x, weight, eps, residual=residual, scale_ub=scale_ub)
+
+
+def _standalone(variant: str) -> VariantSpec:
+    spec = spec_of(variant)
+    if spec.norm:
+        raise ValueError(f"variant={variant!r} normalizes; group_quant takes a standalone quant variant, such as {dataclasses.replace(spec, residual=False, norm=False).name!r}")
+    return spec
+
+
+def _group_quant(x, variant, scale_ub=None):
+    _standalone(variant)
+    return _kernel_of(variant, x)(x, None, None, scale_ub=scale_ub)
 
 
 def _add_rms_norm_group_quant(x, residual, weight, eps, variant, scale_ub=None):
@@ -331,13 +350,14 @@ for _name, _function in (
     ("rms_norm_group_quant", _rms_norm_group_quant),
     ("fused_add_rms_norm_group_quant", _fused_add_rms_norm_group_quant),
     ("add_rms_norm_group_quant", _add_rms_norm_group_quant),
+    ("group_quant", _group_quant),
 ):
     _library.impl(_name, _function, "CPU")
     # CUDA, until the C++ implementation registers its own CUDA kernel (which then wins).
     _library.impl(_name, _function, "CompositeExplicitAutograd")
 _library.impl("rms_norm_per_block_quant", _rms_norm_per_block_quant, "CPU")
 _library.impl("rms_norm_per_block_quant", _rms_norm_per_block_quant, "CUDA")
-for _name in ("rms_norm_group_quant", "add_rms_norm_group_quant"):
+for _name in ("rms_norm_group_quant", "add_rms_norm_group_quant", "group_quant"):
     _library.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 
@@ -374,6 +394,11 @@ def _fake_add(x, residual, weight, eps, variant, scale_ub=None):
     return (*_outputs(spec_of(variant), x, residual=residual, weight=weight, scale_ub=scale_ub), torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
+@torch.library.register_fake(f"{NAMESPACE}::group_quant")
+def _fake_group_quant(x, variant, scale_ub=None):
+    return _outputs(_standalone(variant), x, scale_ub=scale_ub)
+
+
 @torch.library.register_fake(f"{NAMESPACE}::rms_norm_per_block_quant")
 def _fake_out(result, input, weight, scale, epsilon, scale_ub, residual, group_size, is_scale_transposed, scale_ue8m0=False):
     _check_devices(input, result=result, weight=weight, scale=scale, scale_ub=scale_ub, residual=residual)
@@ -383,3 +408,4 @@ rms_norm_group_quant = torch.ops.tvm_rmsquant.rms_norm_group_quant
 fused_add_rms_norm_group_quant = torch.ops.tvm_rmsquant.fused_add_rms_norm_group_quant
 add_rms_norm_group_quant = torch.ops.tvm_rmsquant.add_rms_norm_group_quant
 rms_norm_per_block_quant = torch.ops.tvm_rmsquant.rms_norm_per_block_quant
+group_quant = torch.ops.tvm_rmsquant.group_quant

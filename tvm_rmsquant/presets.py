@@ -25,6 +25,9 @@ DEFAULT_SCALE_UB_LAYOUTS = (("row", "fp32"), ("col", "fp32"))
 #: packed UE8M0, which Blackwell DeepGEMM (``deepgemm_sm100``) also reads at group 32, and
 #: MXFP8 with its scale rounded up (``cublas_mxfp8``).
 GROUP32_LAYOUTS = (("col", "ue8m0_packed"), ("tiled", "mxfp8"))
+#: cuBLAS BlockWise1x128 through torch's ``scaled_mm`` (``cublas_blockwise``, the transformers
+#: integration): G = 128 only, every default hidden size and dynamic K (36 variants).
+BLOCKWISE_LAYOUTS = (("col_dense", "fp32"),)
 #: The all preset's G = 32 kernels add every other format defined for G = 32 (the OCP MX rule).
 ALL_GROUP32_LAYOUTS = GROUP32_LAYOUTS + tuple(
     pair for pair, record in RECORDS.items() if record.group == MX_GROUP and pair not in GROUP32_LAYOUTS
@@ -32,12 +35,14 @@ ALL_GROUP32_LAYOUTS = GROUP32_LAYOUTS + tuple(
 PRESETS = ("default", "all")
 
 
-def _specs(dtypes, hidden_groups, layouts, scale_ubs) -> List[VariantSpec]:
+def _specs(dtypes, hidden_groups, layouts, scale_ubs, norm: bool = True) -> List[VariantSpec]:
+    """Every combination, with and without residual where the spec normalizes."""
     specs = []
+    residuals = (False, True) if norm else (False,)
     for dtype, (hidden, group), residual, (layout, fmt), scale_ub in itertools.product(
-        dtypes, hidden_groups, (False, True), layouts, scale_ubs
+        dtypes, hidden_groups, residuals, layouts, scale_ubs
     ):
-        specs.append(VariantSpec(dtype, hidden, group, residual, layout, fmt, scale_ub))
+        specs.append(VariantSpec(dtype, hidden, group, residual, layout, fmt, scale_ub, norm=norm))
     return specs
 
 
@@ -45,7 +50,9 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     """The variants of preset ``name``, optionally narrowed to some hidden sizes and dtypes.
 
     Every preset includes one dynamic-K variant per (dtype, group, residual, layout, format),
-    so any hidden size divisible by the group runs without a rebuild.
+    so any hidden size divisible by the group runs without a rebuild; and the standalone
+    quant (``norm=False``) of each (dtype, group, layout, format) at dynamic K only: the
+    layers it serves (attention output, MLP down projection) have sizes no short list covers.
     """
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; choose one of {PRESETS}")
@@ -55,11 +62,14 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     layouts = CONSUMER_LAYOUTS if name == "default" else ALL_LAYOUTS
     scale_ubs = (False,) if name == "default" else (False, True)
     dynamic = [(None, 128), (None, 64)]
-    specs = _specs(dtypes, static + dynamic, layouts, scale_ubs)
     group32 = [(k, 32) for k in hidden] + [(None, 32)]
+    group32_layouts = GROUP32_LAYOUTS if name == "default" else ALL_GROUP32_LAYOUTS
+    blockwise = BLOCKWISE_LAYOUTS if name == "default" else tuple(pair for pair in RECORDS if pair[0] == "col_dense")
+    specs = _specs(dtypes, static + dynamic, layouts, scale_ubs)
+    specs += _specs(dtypes, [(k, 128) for k in hidden] + [(None, 128)], blockwise, scale_ubs)
+    specs += _specs(dtypes, group32, group32_layouts, scale_ubs if name == "all" else (False,))
     if name == "default":
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
-        specs += _specs(dtypes, group32, GROUP32_LAYOUTS, (False,))
-    else:
-        specs += _specs(dtypes, group32, ALL_GROUP32_LAYOUTS, scale_ubs)
+    for groups, pairs in (([(None, 128)], layouts + blockwise), ([(None, 64)], layouts), ([(None, 32)], group32_layouts)):
+        specs += _specs(dtypes, groups, pairs, scale_ubs, norm=False)
     return sorted(set(specs), key=lambda spec: spec.name)

@@ -186,9 +186,10 @@ def rms_norm_group_quant(
 ):
     """Return (q, scales, residual_out) for 2-D x [M, K]; residual_out is None without residual.
 
-    Non-finite values propagate, never to a finite garbage scale: see the README's
-    "Edge cases" for what NaN, Inf, overflow and a bad ``scale_ub`` give.
+    The reference of every spec: a standalone quant (``norm=False``) quantizes x itself
+    and ignores weight and eps. Non-finite values propagate, never to a finite garbage
+    scale: see the README's "Edge cases" for what NaN, Inf, overflow and a bad ``scale_ub`` give.
     """
-    y, residual_out = rms_norm(x, weight, eps, residual)
+    y, residual_out = rms_norm(x, weight, eps, residual) if spec.norm else (x, None)
     q, scales = group_quant(y, spec, scale_ub)
     return q, scales, residual_out

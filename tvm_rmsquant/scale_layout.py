@@ -167,10 +167,16 @@ class ScaleLayout:
         return ELEMENTS[self.element][0], self.groups_per_word, self.column_major, self.row_align, TILE_COLUMNS if self.tiled else 1
 
 
+#: Column-major layouts and the rows their storage is aligned to: ``col`` TMA-padded (DeepGEMM),
+#: ``col_dense`` exactly M (torch's BlockWise1x128 ``scaled_mm`` wants strides (1, M) and
+#: refuses (1, round_up(M, 4)) when M % 4 != 0: decode at odd batch sizes).
+COLUMN_MAJOR_ROW_ALIGN = {"col": TMA_ALIGN_ROWS, "col_dense": 1}
+
+
 def _record(layout: str, format: str, element: str = "float32", encoding: str = "value", groups_per_word: int = 1,
             tiled: bool = False, group: Optional[int] = None, rounding: str = "exact") -> ScaleLayout:
-    col = layout == "col"
-    row_align = TMA_ALIGN_ROWS if col else TILE_ROWS if tiled else 1
+    col = layout in COLUMN_MAJOR_ROW_ALIGN
+    row_align = COLUMN_MAJOR_ROW_ALIGN[layout] if col else TILE_ROWS if tiled else 1
     return ScaleLayout(layout, format, element, encoding, groups_per_word, column_major=col,
                        row_align=row_align, tiled=tiled, group=group, traits=QuantTraits(rounding=rounding))
 
@@ -185,6 +191,9 @@ RECORDS: Dict[Tuple[str, str], ScaleLayout] = {
         _record("col", "ue8m0", rounding="up"),
         # DeepGEMM's sm100 layout: four exponent bytes per int32, column-major, TMA-padded.
         _record("col", "ue8m0_packed", element="int32", encoding="exponent", groups_per_word=4, rounding="up"),
+        # cuBLAS BlockWise1x128 through torch's scaled_mm: column-major, exactly M rows.
+        _record("col_dense", "fp32"),
+        _record("col_dense", "ue8m0", rounding="up"),
         # MXFP8 activations as cuBLAS's block-scaled GEMMs (torch's BlockWise1x32) read them.
         _record("tiled", "mxfp8", element="float8_e8m0fnu", encoding="exponent", tiled=True, group=MX_GROUP, rounding="up"),
         _record("tiled", "mxfp8_ocp", element="float8_e8m0fnu", encoding="exponent", tiled=True, group=MX_GROUP, rounding="ocp"),

@@ -14,12 +14,15 @@ from .spec import VariantSpec
 
 
 def self_check_specs(hidden: Sequence[int]):
-    """Every (layout, format) record, each dtype, with and without residual, at each K
-    (G = 128 where it divides K, else 64; a format defined for one group size at that size)."""
-    for k, dtype, residual, record in itertools.product(hidden, ("bf16", "fp16", "fp32"), (False, True), RECORDS.values()):
+    """Every (layout, format) record, each dtype, with and without residual, and the standalone
+    quant, at each K (G = 128 where it divides K, else 64, and a K neither divides is refused by
+    VariantSpec; a format defined for one group size is checked at that size where it divides K)."""
+    kinds = ((False, True), (True, True), (False, False))  # (residual, norm)
+    for k, dtype, (residual, norm), record in itertools.product(hidden, ("bf16", "fp16", "fp32"), kinds, RECORDS.values()):
+        if record.group and k % record.group:
+            continue
         group = record.group or (128 if k % 128 == 0 else 64)
-        if k % group == 0:
-            yield VariantSpec(dtype, k, group, residual, record.layout, record.format)
+        yield VariantSpec(dtype, k, group, residual, record.layout, record.format, norm=norm)
 
 
 def run_cpu_kernel(spec: VariantSpec, inputs, eps: float = 1e-6):

@@ -26,7 +26,7 @@ def _alternatives(names) -> str:
 
 _NAME_RE = re.compile(
     rf"^(?P<dtype>{_alternatives(DTYPES)})_k(?P<hidden>\d+|dyn)_g(?P<group>\d+)"
-    rf"(?P<residual>_res)?_(?P<layout>{_alternatives(LAYOUTS)})_(?P<format>{_alternatives(FORMATS)})"
+    rf"(?P<residual>_res)?(?P<no_norm>_nonorm)?_(?P<layout>{_alternatives(LAYOUTS)})_(?P<format>{_alternatives(FORMATS)})"
     r"(?P<scale_ub>_ub)?$"
 )
 
@@ -47,7 +47,10 @@ class VariantSpec:
     """One fused RMSNorm + per-token-group FP8 quant kernel.
 
     ``hidden=None`` is the dynamic-K variant: K is a runtime argument that must be a
-    multiple of ``group``.
+    multiple of ``group``. ``norm=False`` is the standalone quant (vLLM's
+    ``per_token_group_fp8_quant``) for linear layers that follow no norm (attention output,
+    MLP down projection): the same tensor expression with the norm stage left out, so the
+    same layouts, formats, rules, bundle and ops; its name carries ``_nonorm``.
     """
 
     dtype: str
@@ -58,6 +61,7 @@ class VariantSpec:
     format: str = "fp32"
     scale_ub: bool = False
     out_dtype: str = "float8_e4m3fn"
+    norm: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -65,11 +69,13 @@ class VariantSpec:
         layout = scale_layout(self.layout, self.format)  # refuses an unknown layout, format or pair
         if self.out_dtype not in OUT_DTYPES:
             raise choice_error("out_dtype", self.out_dtype, OUT_DTYPES)
-        for flag in ("residual", "scale_ub"):
+        for flag in ("residual", "scale_ub", "norm"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag}={getattr(self, flag)!r} must be a bool")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0 or self.group % 8:
             raise ValueError(f"group={self.group!r} must be a positive multiple of 8 (64 and 128 are the usual sizes)")
+        if self.residual and not self.norm:
+            raise ValueError("residual=True needs norm=True: the residual is added before the norm (a standalone quant takes x only)")
         refusal = layout.group_refusal(self.group)
         if refusal is not None:
             raise ValueError(f"group={self.group}: {refusal}")
@@ -90,6 +96,8 @@ class VariantSpec:
         parts = [self.dtype, f"k{hidden}", f"g{self.group}"]
         if self.residual:
             parts.append("res")
+        if not self.norm:
+            parts.append("nonorm")
         parts += [self.layout, self.format]
         if self.scale_ub:
             parts.append("ub")
@@ -101,7 +109,7 @@ class VariantSpec:
         if not match:
             raise ValueError(
                 f"variant name {name!r} does not parse; expected e.g. 'bf16_k7168_g128_res_col_ue8m0' "
-                f"(dtype_k<K|dyn>_g<G>[_res]_<layout>_<format>[_ub], a layout:format pair of "
+                f"(dtype_k<K|dyn>_g<G>[_res|_nonorm]_<layout>_<format>[_ub], a layout:format pair of "
                 f"{', '.join(f'{layout}:{fmt}' for layout, fmt in RECORDS)})"
             )
         groups = match.groupdict()
@@ -113,10 +121,16 @@ class VariantSpec:
             layout=groups["layout"],
             format=groups["format"],
             scale_ub=groups["scale_ub"] is not None,
+            norm=groups["no_norm"] is None,
         )
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; ``norm`` only where False, so that every fused spec keeps the JSON and
+        ``digest`` it had before the standalone quant existed (manifests, tuning records)."""
+        data = dataclasses.asdict(self)
+        if self.norm:
+            del data["norm"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "VariantSpec":

@@ -78,6 +78,16 @@ def for_capability(capability: Sequence[int], archs: Sequence[str]) -> Target:
     raise ValueError(f"the device has compute capability {capability[0]}.{capability[1]}; the bundle has code for {have}")
 
 
-def threads_per_sm(chosen: Sequence[Target]) -> int:
-    """The resident threads per SM that a kernel built for every one of ``chosen`` may count on."""
-    return min(target.threads_per_sm for target in chosen)
+def scheduling_target(archs: Sequence[str]) -> Target:
+    """The target that schedule rules are given for a library built for ``archs``: the oldest,
+    which TVM generates the one source for (``lower.cuda_target``). Its facts must hold on the
+    newer archs too, since the same kernels run there: ValueError naming the arch where one does not."""
+    chosen = targets(archs)
+    oldest = min(chosen, key=lambda target: target.capability)
+    for target in chosen:
+        if target.threads_per_sm < oldest.threads_per_sm:
+            raise ValueError(
+                f"arch={target.name} has {target.threads_per_sm} threads per SM, fewer than the {oldest.threads_per_sm} "
+                f"of {oldest.name} whose schedules it would run; build it separately"
+            )
+    return oldest

@@ -24,6 +24,7 @@ from .schedules import default_schedule, rule_by_name
 from .schedules.database import DEFAULT_DATABASE, ROW_BUCKETS, Record, TuningDatabase, bucket_score, cuda_release
 from .schedules.search import evaluate, knob_key, propose_evolve
 from .spec import VariantSpec
+from .target import DEFAULT_ARCHS, TARGETS, Target, for_capability, scheduling_target
 
 #: The specs the tuning bar names: bf16, K in {4096, 7168}, with and without residual,
 #: for the layouts/formats of DeepGEMM/cuBLAS (col fp32), Triton (row fp32) and UE8M0.
@@ -43,16 +44,17 @@ STRATEGIES = ("exhaustive", "random", "evolve", "recorded")
 # -- build (CPU) ------------------------------------------------------------------------------
 
 
-def candidate_knobs(spec: VariantSpec, strategy: str, trials: int, seed: int = 0, measured: Sequence[Tuple[Dict, float]] = ()) -> List[Tuple[str, Dict]]:
-    """(rule, knobs) to build for ``spec``: the hand-picked schedule first, then the strategy's."""
-    rule_name, default = default_schedule(spec)
+def candidate_knobs(spec: VariantSpec, target: Target, strategy: str, trials: int, seed: int = 0,
+                    measured: Sequence[Tuple[Dict, float]] = ()) -> List[Tuple[str, Dict]]:
+    """(rule, knobs) to build for ``spec`` on ``target``: the hand-picked schedule first, then the strategy's."""
+    rule_name, default = default_schedule(spec, target)
     rule = rule_by_name(rule_name)
     if strategy == "exhaustive":
-        chosen = list(rule.candidates(spec))
+        chosen = list(rule.candidates(spec, target))
     elif strategy == "random":
-        chosen = rule.sample(spec, trials, seed)
+        chosen = rule.sample(spec, target, trials, seed)
     elif strategy == "evolve":
-        chosen = propose_evolve(rule, spec, measured, trials, seed)
+        chosen = propose_evolve(rule, spec, target, measured, trials, seed)
     elif strategy == "recorded":
         chosen = [record.knobs for record in TuningDatabase.load(DEFAULT_DATABASE).records if record.spec == spec.name and record.rule == rule_name]
     else:
@@ -65,18 +67,20 @@ def candidate_knobs(spec: VariantSpec, strategy: str, trials: int, seed: int = 0
 
 def build_candidates(specs: Sequence[VariantSpec], strategy: str, trials: int, out: Path, jobs: int = 2, seed: int = 0,
                      previous: Optional[Dict] = None, cache_dir: Optional[Path] = None, progress=None, log=print):
-    """Build a candidate bundle at ``out``; ``previous`` results seed the ``evolve`` strategy."""
+    """Build a candidate bundle at ``out`` for the default archs; ``previous`` results seed the
+    ``evolve`` strategy."""
     from .codegen import bundle as builder
 
+    target = scheduling_target(DEFAULT_ARCHS)
     candidates = {}
     for spec in specs:
         measured = _measured_trials(previous, spec) if previous else []
-        candidates[spec] = candidate_knobs(spec, strategy, trials, seed, measured)
+        candidates[spec] = candidate_knobs(spec, target, strategy, trials, seed, measured)
         if strategy == "evolve" and len(candidates[spec]) - 1 < trials:
             log(f"{spec.name}: evolve proposed {len(candidates[spec]) - 1} of {trials} trials; the rest of its space is already measured")
     libraries = builder.plan_candidates(candidates)
     extra = {"tuning": {"strategy": strategy, "trials": trials, "seed": seed}}
-    return builder.build_libraries(libraries, out, jobs, cache_dir, progress, extra)
+    return builder.build_libraries(libraries, out, jobs, cache_dir, progress, extra, DEFAULT_ARCHS)
 
 
 def _measured_trials(results: Dict, spec: VariantSpec) -> List[Tuple[Dict, Tuple[float, ...]]]:
@@ -136,12 +140,13 @@ def measure_candidates(bundle, rows_list: Sequence[int] = MEASURED_ROWS, eps: fl
             raise ValueError(f"--spec {missing} has no candidates in {bundle.path}; it holds {sorted(by_spec)}")
         by_spec = {name: entries for name, entries in by_spec.items() if name in {spec.name for spec in specs}}
     bundle.check_device(torch.cuda.get_device_capability())
+    target = scheduling_target(bundle.target_archs)
     results = {"target": gpu_target(bundle), "ceiling_gbps": copy_ceiling(), "rows": list(rows_list), "candidates": []}
     log(f"copy ceiling (read+write): {results['ceiling_gbps']:.0f} GB/s; {sum(map(len, by_spec.values()))} candidates of {len(by_spec)} specs")
     for spec_name, entries in by_spec.items():
         spec = VariantSpec.parse(spec_name)
         hidden = spec.hidden
-        default = dict(default_schedule(spec)[1])
+        default = dict(default_schedule(spec, target)[1])
         rows_out = {symbol: {} for symbol, _ in entries}
         dropped: Dict[str, Optional[str]] = {symbol: None for symbol, _ in entries}
         functions = {symbol: bundle.kernel_function(entry) for symbol, entry in entries}
@@ -238,17 +243,19 @@ def timing_noise(results: Dict) -> List[Dict]:
 def search_evaluation(results: Dict, budget_fraction: float = 0.25, seeds: int = 50) -> List[Dict]:
     """Each strategy replayed against the exhaustive measurement: per (spec, M bucket), how
     close ``budget_fraction`` of the trials (each timing one candidate at every M) gets."""
+    major, minor = (int(part) for part in results["target"]["compute_capability"].split("."))
+    target = for_capability((major, minor), tuple(TARGETS))
     rows = []
     for spec_name in dict.fromkeys(candidate["spec"] for candidate in results["candidates"]):
         spec = VariantSpec.parse(spec_name)
-        rule_name, _ = default_schedule(spec)
+        rule_name, _ = default_schedule(spec, target)
         rule = rule_by_name(rule_name)
-        space = len(list(rule.candidates(spec)))
+        space = len(list(rule.candidates(spec, target)))
         costs = {knob_key(knobs): scores for knobs, scores in _measured_trials(results, spec)}
         if len(costs) < space:
             raise ValueError(f"{spec_name}: {len(costs)} of {space} candidates measured; evaluating a search needs the exhaustive run")
         budget = max(1, int(space * budget_fraction))
-        evaluation = evaluate(rule, spec, costs, budget, seeds)
+        evaluation = evaluate(rule, spec, target, costs, budget, seeds)
         for index, (max_rows, _) in enumerate(ROW_BUCKETS):
             per_bucket = {strategy: evaluation[strategy][index] for strategy in evaluation}
             rows.append({"spec": spec_name, "max_rows": max_rows, "space": space, "budget": budget, **per_bucket})
