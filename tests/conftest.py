@@ -62,6 +62,21 @@ def gpu_bundle():
     return bundle
 
 
+#: Parametrize a test's ``device`` fixture over these (``indirect=True``): the CPU path, and
+#: the bundle's CUDA kernels on a GPU.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def device(request):
+    """"cpu", or "cuda" with the bundle's kernels routed in."""
+    if request.param == "cuda":
+        from tvm_rmsquant import ops
+
+        ops.use_bundle(request.getfixturevalue("gpu_bundle"))
+    return request.param
+
+
 def pytest_terminal_summary(terminalreporter):
     """State the measured CPU equivalence fractions (the issue's bar) in the output."""
     module = sys.modules.get("test_expr_cpu")

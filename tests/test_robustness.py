@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from conftest import require_toolchain
+from conftest import DEVICES, require_toolchain
 from hypothesis import strategies as st
 
 import tvm_rmsquant
@@ -30,15 +30,6 @@ PLAIN = VariantSpec("bf16", K, 128, layout="col")
 RESIDUAL = VariantSpec("bf16", K, 128, True, "col", "ue8m0")
 #: The default preset's scale_ub kernels are dynamic-K: the GPU tests run what ships.
 CAPPED = VariantSpec("bf16", None, 128, False, "row", "fp32", scale_ub=True)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture
-def device(request):
-    """"cpu", or "cuda" with the bundle's kernels routed in."""
-    if request.param == "cuda":
-        ops.use_bundle(request.getfixturevalue("gpu_bundle"))
-    return request.param
 
 
 def _inputs(spec, rows, device, seed=0):

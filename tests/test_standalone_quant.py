@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import tvm_rmsquant
 from tvm_rmsquant import ops, reference
@@ -33,14 +34,6 @@ VARIANTS = [
     "fp16_kdyn_g128_nonorm_col_ue8m0_packed",
     "bf16_kdyn_g32_nonorm_tiled_mxfp8",
 ]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture
-def device(request):
-    if request.param == "cuda":
-        ops.use_bundle(request.getfixturevalue("gpu_bundle"))
-    return request.param
 
 
 def _want(spec, x, scale_ub=None):
