@@ -83,6 +83,7 @@ def entry_point(spec: VariantSpec, symbol: str, buckets: Sequence[Tuple[int, str
     kinds = ", ".join(str(kind) for _, kind in params)
     input_dtype = ", ".join("true" if name in launch.INPUT_DTYPE_ARGS else "false" for name, _ in params)
     code, bits = _DLPACK_DTYPES[spec.dtype]
+    weight_code, weight_bits = _DLPACK_DTYPES[spec.weight_dtype or spec.dtype]
     hidden = -1 if spec.hidden is None else spec.hidden
     multiple = spec.group * spec.scale.groups_per_word
     kernels = sorted(buckets) + [(-1, symbol)]
@@ -94,7 +95,8 @@ static const bool {symbol}_input_dtype[] = {{{input_dtype}}};
 static const tvm_rmsquant::Kernel {symbol}_kernels[] = {{{table}}};
 static const tvm_rmsquant::Contract {symbol}_contract = {{
     "{symbol}", {len(params)}, {symbol}_names, {symbol}_kinds, {symbol}_input_dtype,
-    DLDataType{{{code}, {bits}, 1}}, {spec.group}, {hidden}, {multiple}, {symbol}_kernels}};
+    DLDataType{{{code}, {bits}, 1}}, DLDataType{{{weight_code}, {weight_bits}, 1}}, {spec.group}, {hidden}, {multiple},
+    {symbol}_kernels}};
 extern "C" TVM_DLL int32_t __tvm_ffi_{symbol}(void* self, void* args, int32_t num_args, void* result) {{
   return tvm_rmsquant::call_with_group_views({symbol}_contract, args, num_args, result);
 }}

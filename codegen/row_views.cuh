@@ -31,6 +31,7 @@ struct Contract {
   const int* kinds;
   const bool* input_dtype;  // per argument: must have the input dtype (x, r, weight, residual_out)
   DLDataType dtype;         // the input dtype
+  DLDataType weight_dtype;  // the norm weight's: the input dtype, or float32 (a mixed-dtype variant)
   int64_t group;
   int64_t hidden;           // -1: dynamic K
   int64_t hidden_multiple;  // dynamic K must be a multiple of this
@@ -128,9 +129,10 @@ static int32_t call_with_group_views(const Contract& contract, const void* args,
       TVM_FFI_THROW(ValueError) << name << ": " << arg << " must be " << ndim << "-D, got " << tensor->ndim
                                 << "-D of shape " << shape_text(tensor);
     }
-    if (contract.input_dtype[i] && !same_dtype(tensor->dtype, contract.dtype)) {
+    const DLDataType expected = contract.kinds[i] == kWeight ? contract.weight_dtype : contract.dtype;
+    if (contract.input_dtype[i] && !same_dtype(tensor->dtype, expected)) {
       TVM_FFI_THROW(TypeError) << name << ": " << arg << ".dtype is " << dtype_name(tensor->dtype) << "; this variant takes "
-                               << dtype_name(contract.dtype);
+                               << dtype_name(expected);
     }
     const int64_t hidden = tensor->shape[ndim - 1];
     if (first == nullptr) {

@@ -1,7 +1,8 @@
 """The tensor expression, built for TVM's llvm target, against the torch reference.
 
 This is the issue's equivalence bar on every spec dimension: dtypes, group sizes,
-residual modes, the standalone quant (no norm), layouts and formats, static and dynamic K, scale_ub; M in
+residual modes, the standalone quant (no norm), fp32 norm weights with 16-bit activations,
+layouts and formats, static and dynamic K, scale_ub; M in
 {0, 1, 3, 17, 256}, K in {128, 1024, 4096, 7168}; random normal inputs with outliers.
 The measured match fractions are printed in the terminal summary.
 """
@@ -48,6 +49,11 @@ def _static_cases():
         yield VariantSpec(dtype, hidden, group, False, layout, fmt, scale_ub, norm=False)
     for hidden, dtype, (layout, fmt) in itertools.product((128, 4096), ("bf16", "fp16", "fp32"), MX_FORMATS):
         yield VariantSpec(dtype, hidden, 32, False, layout, fmt, norm=False)
+    # An fp32 norm weight with 16-bit activations (weight_dtype): every record, with and without residual.
+    for hidden, dtype, residual, (layout, fmt) in itertools.product((128, 4096), ("bf16", "fp16"), (False, True), LAYOUT_FORMATS):
+        yield VariantSpec(dtype, hidden, 128, residual, layout, fmt, weight_dtype="fp32")
+    for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16"), (False, True), MX_FORMATS):
+        yield VariantSpec(dtype, 4096, 32, residual, layout, fmt, weight_dtype="fp32")
 
 
 def _dynamic_cases():
@@ -59,6 +65,8 @@ def _dynamic_cases():
         yield VariantSpec(dtype, None, group, False, layout, fmt, norm=False)
     for dtype, (layout, fmt) in itertools.product(("bf16", "fp16", "fp32"), MX_FORMATS):
         yield VariantSpec(dtype, None, 32, False, layout, fmt, norm=False)
+    for dtype, residual, (layout, fmt) in itertools.product(("bf16", "fp16"), (False, True), LAYOUT_FORMATS):
+        yield VariantSpec(dtype, None, 128, residual, layout, fmt, weight_dtype="fp32")
 
 
 def _check(spec, hidden):

@@ -108,16 +108,22 @@ def test_cpu_tensors_run_the_cpu_path_whatever_the_bundle(monkeypatch, tmp_path)
     assert compare(PLAIN, (*got, None), want, K).passed
 
 
-def test_a_gemma_style_fp32_weight_is_routed_to_the_reference_with_a_warning(caplog):
+def test_a_gemma_style_fp32_weight_runs_the_mixed_dtype_kernels_and_other_pairs_the_reference(caplog):
     inputs = _inputs(PLAIN, 6, "cpu")
     weight = inputs["weight"].float() * 1.001  # not representable in bf16
+    bound = select(K, torch.bfloat16, scale_layout="col", device="cpu", weight_dtype=torch.float32)
+    mixed = VariantSpec("bf16", K, 128, False, "col", "fp32", weight_dtype="fp32")
+    assert bound.variant == mixed.name == "bf16_k4096_g128_wf32_col_fp32"
+    want_q, want_scales, _ = reference.rms_norm_group_quant(inputs["x"], weight, 1e-6, mixed)
+    for q, scales in (bound(inputs["x"], weight), tvm_rmsquant.rms_norm_group_quant(inputs["x"], weight, scale_layout="col")):
+        assert compare(mixed, (q, scales, None), (want_q, want_scales, None), K).passed
+    # The contract's mixed rule: the weight multiply in fp32, then one rounding (not two).
+    h = inputs["x"].float()
+    y = (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).bfloat16()
+    assert torch.equal(reference.rms_norm(inputs["x"], weight, 1e-6)[0], y)
     with caplog.at_level(logging.WARNING, logger="tvm_rmsquant"):
-        bound = select(K, torch.bfloat16, scale_layout="col", device="cuda", weight_dtype=torch.float32)
-        q, scales = tvm_rmsquant.rms_norm_group_quant(inputs["x"], weight, scale_layout="col")
-    assert bound.variant is None and "float32" in bound.why[0].reason
-    assert "torch reference" in caplog.text
-    want_q, want_scales, _ = reference.rms_norm_group_quant(inputs["x"], weight, 1e-6, PLAIN)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+        other = select(K, torch.bfloat16, scale_layout="col", device="cpu", weight_dtype=torch.float16)
+    assert other.variant is None and "float16" in other.why[0].reason and "torch reference" in caplog.text
 
 
 def test_the_api_checks_scale_ub_eps_and_the_weight_up_front():
@@ -367,21 +373,22 @@ def test_a_tensor_on_another_device_than_x_is_refused_even_on_meta():
 def test_every_path_checks_eps_in_fp32_and_the_reference_route_checks_like_the_kernels():
     inputs = _inputs(PLAIN, 3, "cpu")
     x, w = inputs["x"], inputs["weight"]
-    layer = select(K, torch.bfloat16, scale_layout="col", device="cpu", weight_dtype=torch.float32)
-    assert layer.variant is None  # the torch reference
+    # An fp16 weight with bf16 activations: no kernel takes the pair, so the torch reference.
+    layer = select(K, torch.bfloat16, scale_layout="col", device="cpu", weight_dtype=torch.float16)
+    assert layer.variant is None
     for eps in (1e39, 1e-50, -1.0, math.nan):
-        for call in (lambda: tvm_rmsquant.rms_norm_group_quant(x, w, eps=eps), lambda: layer(x, w.float(), eps)):
+        for call in (lambda: tvm_rmsquant.rms_norm_group_quant(x, w, eps=eps), lambda: layer(x, w.half(), eps)):
             with pytest.raises(ValueError, match=r"must be positive and finite in fp32"):
                 call()
     with pytest.raises(TypeError, match=r"eps='1e-6' must be a float"):
         tvm_rmsquant.rms_norm_group_quant(x, w, eps="1e-6")
     with pytest.raises(TypeError, match=r"x.dtype=torch.int32"):
-        layer(x.to(torch.int32), w.float(), 1e-6)
-    with pytest.raises(TypeError, match=r"weight.dtype=torch.bfloat16; this layer was selected for a torch.float32"):
+        layer(x.to(torch.int32), w.half(), 1e-6)
+    with pytest.raises(TypeError, match=r"weight.dtype=torch.bfloat16; this layer was selected for a torch.float16"):
         layer(x, w, 1e-6)
     with pytest.raises(ValueError, match=r"weight must be \[4096\]"):
-        layer(x, w.float()[:128], 1e-6)
-    q, scales = layer(x, w.float(), 1e-6)  # and the valid call still runs
+        layer(x, w.half()[:128], 1e-6)
+    q, scales = layer(x, w.half(), 1e-6)  # and the valid call still runs
     assert torch.isfinite(scales).all() and q.shape == x.shape
 
 

@@ -67,7 +67,7 @@ def test_dynamic_packed_kernels_need_whole_words():
 
 def test_default_preset_covers_the_consumer_table():
     everything = preset("default")
-    specs = [s for s in everything if s.norm]
+    specs = [s for s in everything if s.norm and s.weight_dtype is None]
     hidden = {s.hidden for s in specs}
     assert {2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None} <= hidden
     assert {(s.layout, s.format) for s in specs} == {("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed"),
@@ -91,5 +91,10 @@ def test_default_preset_covers_the_consumer_table():
     assert all(s.is_dynamic and not s.residual and not s.scale_ub for s in standalone)
     assert {(s.dtype, s.group, s.layout, s.format) for s in standalone} == {
         (s.dtype, s.group, s.layout, s.format) for s in dynamic}
+    # An fp32 norm weight with 16-bit activations: dynamic K, every (group, layout, format), residual or not.
+    mixed = [s for s in everything if s.weight_dtype is not None]
+    assert all(s.is_dynamic and s.norm and s.weight_dtype == "fp32" and not s.scale_ub for s in mixed)
+    assert {(s.dtype, s.group, s.residual, s.layout, s.format) for s in mixed} == {
+        (s.dtype, s.group, s.residual, s.layout, s.format) for s in dynamic}
     capped = {(s.dtype, s.hidden, s.group, s.residual, s.layout, s.format) for s in specs if s.scale_ub}
     assert capped == {(d, None, 128, r, layout, "fp32") for d in ("bf16", "fp16") for r in (False, True) for layout in ("row", "col")}

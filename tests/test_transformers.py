@@ -194,6 +194,7 @@ def test_a_text_decoder_is_fused_at_every_norm_that_feeds_linears(saved):
     layers = TEXT["num_hidden_layers"]
     assert len(report.sites) == 7 * layers and report.count("fused") == 5 * layers and report.count("standalone") == 2 * layers
     assert report.unfused_norms == []
+    assert [why for _, why in install(_load(saved, "qwen3"), fuse=False).unfused_norms] == ["fuse=False"] * 2 * layers
     fused = {site.name.rsplit(".", 2)[-2] + "." + site.name.rsplit(".", 1)[-1] for site in report.sites if site.quant == "fused"}
     assert fused == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
     for site in report.sites:
@@ -243,16 +244,20 @@ def test_a_vl_model_gets_its_own_variant_and_layout_per_tower(saved):
 
 def test_sites_it_cannot_serve_keep_a_working_path_and_say_why(saved):
     model = _load(saved, "qwen3")
-    layer = model.model.layers[0]
-    layer.post_attention_layernorm.weight.data = layer.post_attention_layernorm.weight.data.float()  # a Gemma-style fp32 weight
+    layers = model.model.layers
+    layers[0].post_attention_layernorm.weight.data = layers[0].post_attention_layernorm.weight.data.float()  # Gemma-style fp32
+    layers[1].post_attention_layernorm.weight.data = layers[1].post_attention_layernorm.weight.data.half()  # no kernel takes this
     report = install(model)
     assert dict(report.unfused_norms) == {
-        "model.layers.0.post_attention_layernorm": "the norm weight is torch.float32 and the activations torch.bfloat16; "
-                                                   "the kernels take one dtype, so its linears take the standalone quant of what it returns"}
+        "model.layers.1.post_attention_layernorm": "the norm weight is torch.float16 and the activations torch.bfloat16; the kernels "
+                                                   "take the activations' dtype or fp32, so its linears take the standalone quant of what it returns"}
+    assert type(layers[0].post_attention_layernorm).__name__ == "FusedRMSNormQuant"
     sites = {site.name: site for site in report.sites}
-    assert sites["model.layers.0.mlp.gate_proj"].quant == "standalone" and sites["model.layers.1.mlp.gate_proj"].quant == "fused"
-    assert sites["model.layers.0.mlp.gate_proj"].variant == "fp32_k256_g128_nonorm_col_dense_fp32"  # what transformers' norm returns
-    assert type(layer.post_attention_layernorm).__name__ == "Qwen3RMSNorm"
+    assert sites["model.layers.0.mlp.gate_proj"].quant == "fused"
+    assert sites["model.layers.0.mlp.gate_proj"].variant == "bf16_k256_g128_wf32_col_dense_fp32"  # the mixed-dtype kernel
+    assert sites["model.layers.1.mlp.gate_proj"].quant == "standalone"
+    assert sites["model.layers.1.mlp.gate_proj"].variant == "bf16_k256_g128_nonorm_col_dense_fp32"  # its fp32 input cast to bf16
+    assert type(layers[1].post_attention_layernorm).__name__ == "Qwen3RMSNorm"
     assert torch.isfinite(_logits(model, input_ids=torch.tensor([[1, 2, 3]]))).all()
 
     # Weight blocks of 64 are not the activation groups of 128 this package quantizes for.
@@ -262,6 +267,29 @@ def test_sites_it_cannot_serve_keep_a_working_path_and_say_why(saved):
     assert all("block_size=(64, 64)" in site.why for site in report.sites)
     assert all("not FP8 linears" in why or "cannot take a quantized activation" in why for _, why in report.unfused_norms)
     assert _cosine(_logits(blocks64, input_ids=torch.tensor([[1, 2, 3]])), _logits(_load(saved, "qwen3", quantized=False), input_ids=torch.tensor([[1, 2, 3]]))) >= 0.99
+
+
+def test_fp32_norm_weights_fuse_through_the_mixed_dtype_kernels(saved):
+    """Gemma/Qwen-style fp32 norm weights: fused with the _wf32 kernels (vLLM's rule: one rounding
+    after the fp32 multiply), where transformers' norm returns the fp32 product and the unfused
+    path casts it to bf16 before the quant. The two roundings differ, so the bar is not one fp8
+    step but the one fp8 itself meets against bf16 (cosine >= 0.99; measured 0.9986 here). The
+    unquantized model cannot run these weights: transformers' nn.Linear refuses the fp32 norm output."""
+
+    def with_fp32_norm_weights():
+        model = _load(saved, "qwen3")
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.data = norm.weight.data.float() * 1.001  # not representable in bf16
+        return model
+
+    fused, unfused = with_fp32_norm_weights(), with_fp32_norm_weights()
+    report = install(fused)
+    install(unfused, fuse=False)
+    assert report.count("fused") == 5 * TEXT["num_hidden_layers"]
+    assert {site.variant for site in report.sites if site.quant == "fused"} == {"bf16_k256_g128_wf32_col_dense_fp32"}
+    ids = torch.tensor([[1, 17, 33, 5, 250, 9, 2]])
+    assert _cosine(_logits(fused, input_ids=ids), _logits(unfused, input_ids=ids)) >= 0.99
 
 
 def test_consumers_are_checked_and_a_norm_is_fused_only_for_one_layout(saved):

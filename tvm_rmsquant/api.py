@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Optional
@@ -22,8 +23,10 @@ logger = logging.getLogger(__name__)
 def _resolve(spec: VariantSpec, device_type: str, weight_dtype: torch.dtype) -> BoundKernel:
     """``serving.choose`` on the default bundle (contents only: no device query); the first
     call then serves that bundle, as ``select`` does."""
-    if weight_dtype != TORCH_DTYPES[spec.dtype]:
-        reason = f"the weight is {weight_dtype} and x {TORCH_DTYPES[spec.dtype]}; kernels take one dtype"
+    if weight_dtype != TORCH_DTYPES[spec.dtype] and spec.norm:
+        if weight_dtype == torch.float32:  # the mixed-dtype kernels (_wf32)
+            return _resolve(dataclasses.replace(spec, weight_dtype="fp32"), device_type, TORCH_DTYPES[spec.dtype])
+        reason = f"the weight is {weight_dtype} and x {TORCH_DTYPES[spec.dtype]}; kernels take one dtype, or an fp32 weight"
         logger.warning("tvm_rmsquant: %s; using the torch reference for %s", reason, spec.name)
         return BoundKernel(spec, None, [Candidate(spec.name, False, reason)], device_type=device_type, weight_dtype=weight_dtype)
     if device_type != "cuda":

@@ -71,7 +71,8 @@ class BoundKernel:
     #: Where the variant was chosen to run: the fusion pass traces its pattern there
     #: (the reference's scale allocation names its device).
     device_type: str = "cuda"
-    #: The norm weight's dtype where it is not x's (a reference layer, ``select(weight_dtype=)``).
+    #: The norm weight's dtype where it is neither x's nor the spec's (a reference layer,
+    #: ``select(weight_dtype=)`` with a pair no kernel takes).
     weight_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
@@ -181,9 +182,10 @@ def select(
 
     ``norm=False`` selects the standalone quant (no norm, no residual): call the result with x.
 
-    ``weight_dtype`` is the norm weight's dtype where it differs from the activations'
-    (Gemma-style fp32 weights with bf16 activations): the kernels take one dtype, so such
-    a layer runs the torch reference, with a warning, rather than failing at init.
+    ``weight_dtype`` is the norm weight's dtype where it differs from the activations':
+    an fp32 weight with bf16/fp16 activations (Gemma- and Qwen-style checkpoints) selects the
+    mixed-dtype kernels (``_wf32`` variants); any other pair runs the torch reference, with a
+    warning, rather than failing at init.
     """
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype={dtype} is not supported; accepted: {sorted(map(str, DTYPE_NAMES))}")
@@ -196,11 +198,13 @@ def select(
         if refusal is not None:
             why.append(Candidate(f"consumer {consumer}", False, refusal + "; falling back to Triton's row-major fp32 scales"))
             layout, fmt = CONSUMERS["triton"]
-    spec = VariantSpec(DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub, norm=norm)
+    mixed = norm and weight_dtype == torch.float32 and dtype != torch.float32
+    spec = VariantSpec(DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub, norm=norm,
+                       weight_dtype="fp32" if mixed else None)
     device = torch.device(device)
 
     chosen = None
-    if weight_dtype is not None and weight_dtype != dtype and norm:
+    if weight_dtype is not None and weight_dtype != dtype and norm and not mixed:
         why.append(Candidate(spec.name, False, f"the norm weight is {weight_dtype} and the activations {dtype}; kernels take one dtype"))
     elif device.type == "cuda" and not torch.cuda.is_available():
         why.append(Candidate("device", False, f"device={device}, but this torch {torch.__version__} has no CUDA device"))
@@ -227,7 +231,7 @@ def select(
     if chosen is None:
         logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
-        return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type, weight_dtype=weight_dtype)
+        return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type, weight_dtype=None if mixed else weight_dtype)
     spec_bound = chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen
     kernel = ops.kernel(chosen.name, device) if device.type == "cuda" and no_native is not None else None
     return BoundKernel(spec=spec_bound, variant=chosen.name, why=why, kernel=kernel, device_type=device.type)

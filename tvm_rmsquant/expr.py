@@ -10,8 +10,9 @@ Stages, by block name (schedules find them by these names and never restate the 
     residual   dtype(h)                                the updated residual (residual variants)
     sumsq      sum_k h^2
     rms        1 / sqrt(sumsq / K + eps)
-    y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))   (the standalone quant, norm=False:
-               y = h = fp32(x), and there is no sumsq, rms, weight or eps)
+    y          fp32(dtype(fp32(dtype(h * rms)) * fp32(w)))
+               an fp32 weight with 16-bit x (weight_dtype): fp32(dtype(h * rms * w)), one rounding;
+               the standalone quant (norm=False): y = h = fp32(x), no sumsq, rms, weight or eps
     absmax     max over each group of bits(|y|)        NaN-propagating, see below
     scale      max(min(a, ub) / 448, 1 / (448 * 512)), rounded up to 2^n for UE8M0; NaN if ub <= 0
                (or the OCP MX rule: the record's ``QuantTraits.rounding``)
@@ -222,7 +223,7 @@ def build(spec: VariantSpec, portable_casts: bool = False) -> FusedExpr:
     residual = te.compute(shape, lambda m, g, j: h[m, g, j].astype(dtype), name="residual") if r is not None else None
 
     if spec.norm:
-        weight = te.placeholder((groups, group), dtype, name="weight")
+        weight = te.placeholder((groups, group), spec.weight_tvm_dtype, name="weight")
         y, norm_tensors = _normalized(h, weight, eps, rows, groups, group, hidden, dtype, portable_casts)
     else:
         # The standalone quant: the groups of x itself (y = h = fp32(x), an exact widening).
@@ -315,6 +316,9 @@ def _normalized(h, weight, eps, rows, groups, group, hidden, dtype, portable_cas
         return value.astype(dtype).astype(F32)
 
     def normalize(m, g, j):
+        if weight.dtype != dtype:
+            # An fp32 weight with 16-bit activations: the multiply in fp32, one rounding (vLLM's rule).
+            return round_to_dtype(h[m, g, j] * rms[m] * weight[g, j])
         if portable_casts or dtype == F32:
             normed = round_to_dtype(h[m, g, j] * rms[m])
             return round_to_dtype(normed * weight[g, j].astype(F32))

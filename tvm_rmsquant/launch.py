@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # the build's lowering workers import this module without tor
 
 from .spec import VariantSpec
 
-#: Arguments that must have the input dtype.
+#: Arguments that must have the variant's dtype: the input dtype, the weight its own where
+#: the spec sets ``weight_dtype`` (a mixed-dtype norm).
 INPUT_DTYPE_ARGS = ("x", "residual", "weight", "residual_out")
 #: How an argument is passed to the tensor expression: as is, viewed by groups, or as a
 #: checked eps (a positive finite float).

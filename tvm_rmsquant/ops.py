@@ -245,11 +245,12 @@ def check_arguments(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, re
     elif weight_dtype is not None and weight_dtype != dtype:
         if weight.dtype != weight_dtype:
             raise TypeError(f"weight.dtype={weight.dtype}; this layer was selected for a {weight_dtype} norm weight")
-    elif weight.dtype != dtype:
+    elif weight.dtype != reference.TORCH_DTYPES[spec.weight_dtype or spec.dtype]:
+        wanted = reference.TORCH_DTYPES[spec.weight_dtype or spec.dtype]
         raise TypeError(
-            f"weight.dtype={weight.dtype} differs from x.dtype={dtype}; the kernels take one dtype. For a "
-            f"{weight.dtype} norm weight (Gemma-style) use tvm_rmsquant.select(..., weight_dtype={weight.dtype}), "
-            f"which routes to the torch reference"
+            f"weight.dtype={weight.dtype}, but variant {spec.name} takes a {wanted} weight. For a {weight.dtype} norm "
+            f"weight with {dtype} activations use tvm_rmsquant.select(..., weight_dtype={weight.dtype})"
+            + (" (fp32: the _wf32 kernels)" if weight.dtype == torch.float32 else ", which routes to the torch reference")
         )
     if weight is not None and weight.shape != (hidden,):
         raise ValueError(f"weight must be [{hidden}] (x.shape[-1]), got shape {tuple(weight.shape)}")

@@ -35,14 +35,15 @@ ALL_GROUP32_LAYOUTS = GROUP32_LAYOUTS + tuple(
 PRESETS = ("default", "all")
 
 
-def _specs(dtypes, hidden_groups, layouts, scale_ubs, norm: bool = True) -> List[VariantSpec]:
+def _specs(dtypes, hidden_groups, layouts, scale_ubs, norm: bool = True, weight_dtype: Optional[str] = None) -> List[VariantSpec]:
     """Every combination, with and without residual where the spec normalizes."""
     specs = []
     residuals = (False, True) if norm else (False,)
     for dtype, (hidden, group), residual, (layout, fmt), scale_ub in itertools.product(
         dtypes, hidden_groups, residuals, layouts, scale_ubs
     ):
-        specs.append(VariantSpec(dtype, hidden, group, residual, layout, fmt, scale_ub, norm=norm))
+        if weight_dtype is None or dtype != weight_dtype:
+            specs.append(VariantSpec(dtype, hidden, group, residual, layout, fmt, scale_ub, norm=norm, weight_dtype=weight_dtype))
     return specs
 
 
@@ -52,7 +53,8 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     Every preset includes one dynamic-K variant per (dtype, group, residual, layout, format),
     so any hidden size divisible by the group runs without a rebuild; and the standalone
     quant (``norm=False``) of each (dtype, group, layout, format) at dynamic K only: the
-    layers it serves (attention output, MLP down projection) have sizes no short list covers.
+    layers it serves (attention output, MLP down projection) have sizes no short list covers;
+    and, the same way, the fp32-weight norm (``weight_dtype="fp32"``) of each 16-bit dtype.
     """
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; choose one of {PRESETS}")
@@ -72,4 +74,6 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
     for groups, pairs in (([(None, 128)], layouts + blockwise), ([(None, 64)], layouts), ([(None, 32)], group32_layouts)):
         specs += _specs(dtypes, groups, pairs, scale_ubs, norm=False)
+        # An fp32 norm weight with 16-bit activations (Gemma, Qwen checkpoints): dynamic K, as the standalone quant.
+        specs += _specs(dtypes, groups, pairs, scale_ubs, weight_dtype="fp32")
     return sorted(set(specs), key=lambda spec: spec.name)

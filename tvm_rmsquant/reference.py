@@ -142,7 +142,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     """(y, residual_out): RMSNorm of x (after the fp32 residual add), rounded as the contract says.
 
     y has the input dtype; residual_out (None without residual) is h rounded to it, while
-    the norm itself uses the unrounded fp32 h. A model written with this and
+    the norm itself uses the unrounded fp32 h. With an fp32 weight and 16-bit x (a
+    ``weight_dtype="fp32"`` spec) y is rounded once, after the fp32 weight multiply, as vLLM's
+    mixed-dtype RMSNorm does; otherwise twice, as its fused kernel does. A model written with this and
     ``group_quant`` is what ``tvm_rmsquant.fusion`` rewrites into the fused op.
     """
     dtype = x.dtype
@@ -151,6 +153,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     # 1 / sqrt rather than torch.rsqrt: both roundings are exact on CPU and CUDA alike,
     # where CUDA's rsqrt is approximate; the kernels compute it the same way.
     rms = 1.0 / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and dtype != torch.float32:
+        # A mixed-dtype norm (fp32 weight, 16-bit activations): the multiply in fp32, one rounding.
+        return (h * rms * weight).to(dtype), residual_out
     y = ((h * rms).to(dtype).float() * weight.float()).to(dtype)
     return y, residual_out
 

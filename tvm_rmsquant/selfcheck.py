@@ -14,15 +14,15 @@ from .spec import VariantSpec
 
 
 def self_check_specs(hidden: Sequence[int]):
-    """Every (layout, format) record, each dtype, with and without residual, and the standalone
-    quant, at each K (G = 128 where it divides K, else 64, and a K neither divides is refused by
+    """Every (layout, format) record, each dtype, with and without residual, the standalone
+    quant, and an fp32 weight with 16-bit activations, at each K (G = 128 where it divides K, else 64, and a K neither divides is refused by
     VariantSpec; a format defined for one group size is checked at that size where it divides K)."""
-    kinds = ((False, True), (True, True), (False, False))  # (residual, norm)
-    for k, dtype, (residual, norm), record in itertools.product(hidden, ("bf16", "fp16", "fp32"), kinds, RECORDS.values()):
-        if record.group and k % record.group:
+    kinds = ((False, True, None), (True, True, None), (False, False, None), (True, True, "fp32"))  # (residual, norm, weight)
+    for k, dtype, (residual, norm, weight), record in itertools.product(hidden, ("bf16", "fp16", "fp32"), kinds, RECORDS.values()):
+        if record.group and k % record.group or weight == dtype:
             continue
         group = record.group or (128 if k % 128 == 0 else 64)
-        yield VariantSpec(dtype, k, group, residual, record.layout, record.format, norm=norm)
+        yield VariantSpec(dtype, k, group, residual, record.layout, record.format, norm=norm, weight_dtype=weight)
 
 
 def run_cpu_kernel(spec: VariantSpec, inputs, eps: float = 1e-6):

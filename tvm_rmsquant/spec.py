@@ -26,7 +26,7 @@ def _alternatives(names) -> str:
 
 _NAME_RE = re.compile(
     rf"^(?P<dtype>{_alternatives(DTYPES)})_k(?P<hidden>\d+|dyn)_g(?P<group>\d+)"
-    rf"(?P<residual>_res)?(?P<no_norm>_nonorm)?_(?P<layout>{_alternatives(LAYOUTS)})_(?P<format>{_alternatives(FORMATS)})"
+    rf"(?P<residual>_res)?(?P<no_norm>_nonorm)?(?P<weight>_wf32)?_(?P<layout>{_alternatives(LAYOUTS)})_(?P<format>{_alternatives(FORMATS)})"
     r"(?P<scale_ub>_ub)?$"
 )
 
@@ -51,6 +51,9 @@ class VariantSpec:
     ``per_token_group_fp8_quant``) for linear layers that follow no norm (attention output,
     MLP down projection): the same tensor expression with the norm stage left out, so the
     same layouts, formats, rules, bundle and ops; its name carries ``_nonorm``.
+    ``weight_dtype="fp32"`` takes an fp32 norm weight with bf16/fp16 activations (Gemma- and
+    Qwen-style checkpoints): the weight multiply in fp32, then one rounding to the activation
+    dtype, as vLLM's mixed-dtype RMSNorm does; its name carries ``_wf32``.
     """
 
     dtype: str
@@ -62,6 +65,8 @@ class VariantSpec:
     scale_ub: bool = False
     out_dtype: str = "float8_e4m3fn"
     norm: bool = True
+    #: The norm weight's dtype where it is not ``dtype`` (only "fp32", with bf16/fp16 activations).
+    weight_dtype: Optional[str] = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -74,6 +79,14 @@ class VariantSpec:
                 raise TypeError(f"{flag}={getattr(self, flag)!r} must be a bool")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0 or self.group % 8:
             raise ValueError(f"group={self.group!r} must be a positive multiple of 8 (64 and 128 are the usual sizes)")
+        if self.weight_dtype is not None:
+            if self.weight_dtype != "fp32":
+                raise choice_error("weight_dtype", self.weight_dtype, (None, "fp32"))
+            if self.dtype == "fp32" or not self.norm:
+                raise ValueError(
+                    f"weight_dtype='fp32' is for a bf16 or fp16 norm, got dtype={self.dtype!r}, norm={self.norm}; "
+                    f"leave weight_dtype=None where the weight has the activations' dtype or there is no norm"
+                )
         if self.residual and not self.norm:
             raise ValueError("residual=True needs norm=True: the residual is added before the norm (a standalone quant takes x only)")
         refusal = layout.group_refusal(self.group)
@@ -98,6 +111,8 @@ class VariantSpec:
             parts.append("res")
         if not self.norm:
             parts.append("nonorm")
+        if self.weight_dtype is not None:
+            parts.append("wf32")
         parts += [self.layout, self.format]
         if self.scale_ub:
             parts.append("ub")
@@ -109,7 +124,7 @@ class VariantSpec:
         if not match:
             raise ValueError(
                 f"variant name {name!r} does not parse; expected e.g. 'bf16_k7168_g128_res_col_ue8m0' "
-                f"(dtype_k<K|dyn>_g<G>[_res|_nonorm]_<layout>_<format>[_ub], a layout:format pair of "
+                f"(dtype_k<K|dyn>_g<G>[_res|_nonorm][_wf32]_<layout>_<format>[_ub], a layout:format pair of "
                 f"{', '.join(f'{layout}:{fmt}' for layout, fmt in RECORDS)})"
             )
         groups = match.groupdict()
@@ -122,14 +137,18 @@ class VariantSpec:
             format=groups["format"],
             scale_ub=groups["scale_ub"] is not None,
             norm=groups["no_norm"] is None,
+            weight_dtype="fp32" if groups["weight"] else None,
         )
 
     def to_json(self) -> dict:
-        """The fields; ``norm`` only where False, so that every fused spec keeps the JSON and
-        ``digest`` it had before the standalone quant existed (manifests, tuning records)."""
+        """The fields; ``norm`` only where False and ``weight_dtype`` only where set, so that
+        every other spec keeps the JSON and ``digest`` it had before they existed (manifests,
+        tuning records)."""
         data = dataclasses.asdict(self)
         if self.norm:
             del data["norm"]
+        if self.weight_dtype is None:
+            del data["weight_dtype"]
         return data
 
     @classmethod
@@ -149,6 +168,11 @@ class VariantSpec:
     @property
     def tvm_dtype(self) -> str:
         return DTYPES[self.dtype]
+
+    @property
+    def weight_tvm_dtype(self) -> str:
+        """The norm weight's dtype, as TVM and torch name it."""
+        return DTYPES[self.weight_dtype or self.dtype]
 
     @property
     def itemsize(self) -> int:

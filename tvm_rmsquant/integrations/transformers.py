@@ -20,8 +20,9 @@ at odd M too. Nothing is decided at call time, so eager mode, ``torch.compile(fu
 with a dynamic token count and CUDA graphs all run the same ops.
 
 Sites it cannot serve keep a working path, and ``install`` returns a ``SiteReport`` saying
-why for each: a norm whose weight dtype is not the activations' stays transformers' (its
-linears take the standalone quant); a linear whose sizes the block GEMM cannot take, or any
+why for each: a norm with an fp32 weight is fused through the mixed-dtype kernels (``_wf32``);
+one whose weight has another dtype stays transformers' (its linears take the standalone quant of
+what it returns, cast to the activations' dtype); a linear whose sizes the block GEMM cannot take, or any
 linear on a device without cuBLAS's block-scaled GEMM (the CPU), multiplies its dequantized
 weight in fp32 (``gemm="dequantized"``), slowly and with the same activation quant.
 """
@@ -171,6 +172,10 @@ class BlockFP8Linear(nn.Module):
         if self.handoff is not None:
             q, scales = x.reshape(-1, self.in_features), self.handoff.scales
         else:
+            if x.dtype != self.output_dtype:
+                # transformers' norm with an fp32 weight returns fp32 (where it is not fused): the
+                # quant takes the activations' dtype, as the unquantized model's next op would.
+                x = x.to(self.output_dtype)
             q, scales = self.quant(x.reshape(-1, self.in_features))
         if self.gemm == "scaled_mm":
             from torch.nn.functional import ScalingType, scaled_mm
@@ -271,21 +276,12 @@ def install(model: nn.Module, dtype: Optional[torch.dtype] = None, bundle=None, 
     unfused: List[Tuple[str, str]] = []
     norms: Dict[str, FusedRMSNormQuant] = {}
     for block_name, block in model.named_modules():
-        for norm_attr, consumer_paths in FUSED_BLOCKS.get(type(block).__name__, ()) if fuse else ():
+        for norm_attr, consumer_paths in FUSED_BLOCKS.get(type(block).__name__, ()):
             norm_name = f"{block_name}.{norm_attr}"
             names = [f"{block_name}.{path}" for path in consumer_paths]
-            reason, kernel = _fusion(block, norm_attr, names, sites, dtype, bundle, consumers)
+            reason, kernel = _fusion(block, norm_attr, names, sites, dtype, bundle, consumers) if fuse else ("fuse=False", None)
             if reason is not None:
                 unfused.append((norm_name, reason))
-                output_dtype = _output_dtype(getattr(block, norm_attr, None), dtype)
-                for name in names:
-                    if output_dtype != dtype and name in replacements and replacements[name].quant is not None:
-                        # transformers' norm returns its weight's dtype times x's: quantize what it returns.
-                        quant = select(replacements[name].in_features, output_dtype, BLOCK, consumer=_consumer_of(name, consumers),
-                                       device=replacements[name].weight.device, bundle=bundle, norm=False)
-                        replacements[name].quant = quant
-                        sites[name] = dataclasses.replace(sites[name], variant=quant.variant,
-                                                          why=f"{sites[name].why}; input {output_dtype} from {norm_name}")
                 continue
             handoff = _Handoff()
             norms[norm_name] = FusedRMSNormQuant(getattr(block, norm_attr), _norm_eps(getattr(block, norm_attr)), kernel, handoff)
@@ -316,13 +312,6 @@ def _consumer_of(name: str, consumers: Dict[str, str]) -> str:
     return consumers[max(matches, key=len)] if matches else CONSUMER
 
 
-def _output_dtype(norm: Optional[nn.Module], dtype: torch.dtype) -> torch.dtype:
-    """The dtype transformers' RMSNorm returns: its weight's times the activations' (an fp32
-    weight makes an fp32 output)."""
-    weight = getattr(norm, "weight", None)
-    return torch.promote_types(weight.dtype, dtype) if isinstance(weight, torch.Tensor) and weight.is_floating_point() else dtype
-
-
 def _chosen(kernel: BoundKernel) -> str:
     taken = [candidate.reason for candidate in kernel.why if candidate.taken]
     return taken[-1] if taken else ""
@@ -343,11 +332,14 @@ def _fusion(block: nn.Module, norm_attr: str, consumers: List[str], sites: Dict[
     unserved = [name for name in consumers if sites[name].quant == "unserved"]
     if unserved:
         return f"{', '.join(unserved)} cannot take a quantized activation ({sites[unserved[0]].why})", None
-    if weight.dtype != dtype:
-        return (f"the norm weight is {weight.dtype} and the activations {dtype}; the kernels take one dtype, "
-                f"so its linears take the standalone quant of what it returns"), None
+    if weight.dtype not in (dtype, torch.float32):
+        return (f"the norm weight is {weight.dtype} and the activations {dtype}; the kernels take the activations' "
+                f"dtype or fp32, so its linears take the standalone quant of what it returns"), None
     layouts = {_consumer_of(name, consumer_map) for name in consumers}
     if len(layouts) > 1:
         return f"its linears read different consumers' layouts ({', '.join(sorted(layouts))}): one quantized output cannot serve them", None
-    kernel = select(weight.shape[0], dtype, BLOCK, consumer=layouts.pop(), device=weight.device, bundle=bundle)
+    # An fp32 weight (Gemma- and Qwen-style) selects the mixed-dtype kernels: one rounding after the
+    # fp32 multiply, where transformers' norm returns the fp32 product itself.
+    kernel = select(weight.shape[0], dtype, BLOCK, consumer=layouts.pop(), device=weight.device, bundle=bundle,
+                    weight_dtype=weight.dtype)
     return None, kernel
