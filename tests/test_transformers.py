@@ -442,14 +442,14 @@ def test_gpu_odd_m_decode_runs_through_scaled_mm_and_cuda_graphs(gpu_models, row
     fused, unfused, _, _ = gpu_models["qwen3"]
     ids = torch.randint(0, 400, (rows, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
     with torch.no_grad():
-        eager = fused(input_ids=ids).logits
+        eager = fused(input_ids=ids, use_cache=False).logits
         graph = torch.cuda.CUDAGraph()
         static = ids.clone()
-        fused(input_ids=static)  # warm-up outside capture (allocator, lazy loads)
+        fused(input_ids=static, use_cache=False)  # warm-up outside capture (allocator, lazy loads)
         with torch.cuda.graph(graph):
-            captured = fused(input_ids=static).logits
+            captured = fused(input_ids=static, use_cache=False).logits
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(captured, eager)
-    assert _within_one_fp8_step(eager.float(), _logits(unfused, input_ids=ids))
+    assert _within_one_fp8_step(eager.float(), _logits(unfused, input_ids=ids, use_cache=False))
     assert math.isfinite(float(eager.float().abs().max()))

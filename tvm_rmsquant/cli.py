@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--bundle", type=Path)
     bench.add_argument("--hidden", type=_parse_hidden, default=[2048, 4096, 5120, 7168, 8192])
     bench.add_argument("--rows", type=_parse_hidden, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
-    bench.add_argument("--providers", default="ours,torch_eager", help="comma-separated: ours, torch_eager, torch_compile, triton")
+    bench.add_argument("--providers", default="ours,torch_eager", help="comma-separated: ours, torch_eager, torch_compile, triton, flashinfer "
+                       "(python3 scripts/build_flashinfer_peer.py builds it)")
     bench.add_argument("--formats", default="row:fp32,col:fp32,col:ue8m0", help="layout:format pairs")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     bench.add_argument("--slow-rows", type=_parse_hidden, help="M values at which torch_eager/torch_compile run (default: all)")
@@ -234,7 +235,7 @@ def _inspect(args) -> int:
 def _bench(args) -> int:
     import torch
 
-    from .bench import run_benchmark
+    from .bench import providers_by_name, run_benchmark
 
     if not torch.cuda.is_available():
         print(f"error: bench times CUDA kernels, and this torch {torch.__version__} sees no CUDA device", file=sys.stderr)
@@ -242,7 +243,12 @@ def _bench(args) -> int:
 
     formats = [tuple(pair.split(":")) for pair in args.formats.split(",")]
     bundle = _open(args.bundle)
-    run_benchmark(bundle, args.dtype, args.hidden, args.rows, formats, args.providers.split(","), args.out, args.slow_rows)
+    try:
+        providers = providers_by_name(args.providers.split(","), bundle)
+    except ValueError as error:
+        print(f"error: --providers={args.providers}: {error}", file=sys.stderr)
+        return 2
+    run_benchmark(bundle, args.dtype, args.hidden, args.rows, formats, providers, args.out, args.slow_rows)
     if args.overhead:
         from .bench import host_overhead
 
