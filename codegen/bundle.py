@@ -158,9 +158,9 @@ def remembered_kernel_digests(cache_dir: Path, tools: Dict) -> Callable[[Variant
     return digest
 
 
-def toolchain(archs: Sequence[str] = DEFAULT_ARCHS) -> Dict:
-    """Versions that a library depends on, and the archs it holds SASS for; recorded in the
-    manifest and in cache keys."""
+def toolchain(archs: Sequence[str] = DEFAULT_ARCHS, pdl: bool = True) -> Dict:
+    """Versions that a library depends on, the archs it holds SASS for and whether its kernels
+    launch with programmatic dependent launch; recorded in the manifest and in cache keys."""
     from importlib import metadata
 
     targets(archs)  # refuse an unknown arch before any work
@@ -172,6 +172,7 @@ def toolchain(archs: Sequence[str] = DEFAULT_ARCHS) -> Dict:
         "nvcc": nvcc_step.nvcc_version(nvcc),
         "nvcc_path": nvcc,
         "target_archs": list(archs),
+        "pdl": pdl,
     }
 
 
@@ -214,7 +215,7 @@ def plan_candidates(candidates: Dict[VariantSpec, List[Tuple[str, Dict[str, int]
 def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], kernel_digest) -> str:
     """The lowering cache's key of one library: what its source is made of. Each kernel's
     scheduled TIR and knobs (``kernel_digest``), its symbol, the generated entry points, the
-    TVM pass configuration and target archs, and the toolchain versions."""
+    TVM pass configuration, target archs and PDL, and the toolchain versions."""
     from .lower import PASS_CONFIG, entry_points
 
     lowering = [variant.as_lowering_input() for variant in variants]
@@ -225,6 +226,7 @@ def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], kernel_d
         "tvm": tools["apache-tvm"],
         "tvm_ffi": tools["apache-tvm-ffi"],
         "archs": tools["target_archs"],
+        "pdl": tools["pdl"],
     }
     return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
 
@@ -300,11 +302,11 @@ def _store(artifact: Path, make: Callable[[Path], Optional[Dict]]) -> Dict:
     return record
 
 
-def _lower_library(variants: List[PlannedVariant], archs: Sequence[str]) -> str:
+def _lower_library(variants: List[PlannedVariant], archs: Sequence[str], pdl: bool) -> str:
     """Worker entry point: lower one library (imports TVM in the worker)."""
     from tvm_rmsquant.codegen import lower
 
-    return lower.cuda_source([variant.as_lowering_input() for variant in variants], archs)
+    return lower.cuda_source([variant.as_lowering_input() for variant in variants], archs, pdl)
 
 
 # -- build ------------------------------------------------------------------------------------
@@ -333,9 +335,11 @@ def build(
     progress: Optional[Callable[[str, int], None]] = None,
     extra: Optional[Dict] = None,
     archs: Sequence[str] = DEFAULT_ARCHS,
+    pdl: bool = True,
 ) -> BuildReport:
-    """Build ``specs`` into the bundle directory ``out_dir`` with SASS for ``archs``; see the module docstring."""
-    return build_libraries(plan(specs, choose, tuned, archs), out_dir, jobs, cache_dir, progress, extra, archs)
+    """Build ``specs`` into the bundle directory ``out_dir`` with SASS for ``archs`` (and PDL
+    launches unless ``pdl`` is False); see the module docstring."""
+    return build_libraries(plan(specs, choose, tuned, archs), out_dir, jobs, cache_dir, progress, extra, archs, pdl)
 
 
 def build_libraries(
@@ -346,12 +350,13 @@ def build_libraries(
     progress: Optional[Callable[[str, int], None]] = None,
     extra: Optional[Dict] = None,
     archs: Sequence[str] = DEFAULT_ARCHS,
+    pdl: bool = True,
 ) -> BuildReport:
     """Lower, compile and publish planned libraries for ``archs``; ``extra`` goes into the manifest as is."""
     started = time.time()
     out_dir, cache_dir = Path(out_dir), Path(cache_dir or default_cache_dir())
     tick = progress or (lambda stage, count: None)
-    tools = toolchain(archs)
+    tools = toolchain(archs, pdl)
     fingerprint = code_fingerprint()
     kernel_digest = remembered_kernel_digests(cache_dir, tools)
 
@@ -368,7 +373,7 @@ def build_libraries(
     if to_lower:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(to_lower))), mp_context=context) as pool:
-            futures = {pool.submit(_lower_library, variants, tools["target_archs"]): name for name, (_, variants) in to_lower.items()}
+            futures = {pool.submit(_lower_library, variants, tools["target_archs"], tools["pdl"]): name for name, (_, variants) in to_lower.items()}
             for future in concurrent.futures.as_completed(futures):
                 name = futures[future]
                 cached, variants = to_lower[name]

@@ -70,6 +70,28 @@ def with_min_blocks_per_sm(source: str, kernel: str, blocks: int) -> str:
     return source
 
 
+#: The PrimFunc attribute with which TVM 0.27's launcher sets CUDA's programmatic-stream-
+#: serialization launch attribute (TVM's own spelling).
+PDL_LAUNCH_PARAMS = ["tirx.use_programtic_dependent_launch"]
+#: What a PDL kernel runs first: wait until the grids it depends on have completed and their
+#: writes are visible (x and the residual may be the previous kernel's output), then let its
+#: own dependents launch (they wait the same way, so releasing them at once is safe).
+GRID_DEPENDENCY = '  asm volatile("griddepcontrol.wait;" ::: "memory");\n  asm volatile("griddepcontrol.launch_dependents;");\n'
+
+
+def with_grid_dependency(source: str, kernel: str) -> str:
+    """Make ``kernel`` start with ``GRID_DEPENDENCY``.
+
+    TVM 0.27 exposes ``griddepcontrol`` to TIRx device code only, not to scheduled TIR (as with
+    the min-blocks attribute), so the statement goes in at the top of the generated body.
+    """
+    pattern = re.compile(rf"(__global__ void __launch_bounds__\([\d, ]+\) {re.escape(kernel)}\([^;{{]*\)\s*{{\n)")
+    source, count = pattern.subn(lambda match: match.group(1) + GRID_DEPENDENCY, source)
+    if count != 1:
+        raise RuntimeError(f"found {count} definitions of {kernel} in the generated source, expected one")
+    return source
+
+
 #: DLPack (type code, bits) of each input dtype.
 _DLPACK_DTYPES = {"bf16": ("kDLBfloat", 16), "fp16": ("kDLFloat", 16), "fp32": ("kDLFloat", 32)}
 
@@ -116,20 +138,26 @@ def entry_points(variants: Sequence[Tuple[VariantSpec, str, Dict[str, int], str,
     return "\n".join(parts)
 
 
-def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, Optional[int]]], archs: Sequence[str]) -> str:
+def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, Optional[int]]], archs: Sequence[str],
+                pdl: bool = True) -> str:
     """One translation unit for ``archs``: each (spec, rule, knobs, symbol, max_rows)'s kernel and
-    host wrapper, then ``entry_points``."""
+    host wrapper, then ``entry_points``. ``pdl``: every kernel launches with programmatic
+    dependent launch (sm_90+) and starts with ``GRID_DEPENDENCY``."""
     import tvm
 
     variants = list(variants)
     target = scheduling_target(archs)
     funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol, target) for spec, rule, knobs, symbol, _ in variants}
+    if pdl:
+        funcs = {name: func.with_attr("tirx.kernel_launch_params", PDL_LAUNCH_PARAMS) for name, func in funcs.items()}
     with tvm.transform.PassContext(config=PASS_CONFIG):
         built = tvm.compile(tvm.IRModule(funcs), target=cuda_target(archs))
     kernels = tvm.backend.cuda.export_cuda_host(built.mod)
     for spec, rule, knobs, symbol, _ in variants:
         blocks = rule_by_name(rule).min_blocks_per_sm(knobs)
         kernels = with_min_blocks_per_sm(kernels, f"{launch.grouped_symbol(symbol)}_kernel", blocks)
+        if pdl:
+            kernels = with_grid_dependency(kernels, f"{launch.grouped_symbol(symbol)}_kernel")
     return "\n".join([kernels, entry_points(variants)])
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (no TVM there): install each carried apache-tvm-ffi wheel into its
 # own --target directory, then check and time the bundles built here and carried in artifacts/.
-#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile transformers tune
-#            (default: all but tune and transformers)
+#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile transformers pairs tune
+#            (default: all but tune, transformers and pairs; pairs needs artifacts/flashinfer_peer, from
+#            scripts/build_flashinfer_peer.py)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
 #                              artifacts/bundle was built with, else the newest carried); tests runs under each
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
@@ -100,6 +101,10 @@ print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' 
           --out "$RESULTS/$(basename "$bundle").json" >> "$RESULTS/tune.log" 2>&1 || status=1
       done
       grep -E "==|ceiling|DROPPED|wrote|Error" "$RESULTS/tune.log" | head -n 40 ;;
+    pairs)
+      python3 -P -m tvm_rmsquant bench --pairs --providers ours,flashinfer --rows 1,16,128,1024 --hidden 2048,4096,5120,7168,8192 \
+        --out /tmp/pairs > "$RESULTS/pairs.log" 2>&1 || status=1
+      tail -n 45 "$RESULTS/pairs.log"; tar -czf "$RESULTS/pairs.tar.gz" -C /tmp pairs ;;
     transformers)
       # transformers' FP8 Qwen3 at Qwen3-8B's sizes, fused against unfused and bf16 (needs accelerate: carry its wheel).
       python3 -P scripts/bench_transformers.py --out "$RESULTS/transformers.json" > "$RESULTS/transformers.log" 2>&1 || status=1

@@ -41,12 +41,39 @@ def built(tmp_path_factory):
     return root, report
 
 
+def _kernel_sources(bundle_root):
+    bundle = Bundle(bundle_root)
+    return [(bundle.path / library["source"]).read_text() for library in bundle.manifest["libraries"].values()]
+
+
+def test_every_kernel_launches_with_pdl_and_waits_before_its_first_read(built, tmp_path):
+    """Programmatic dependent launch (on by default): the launcher sets the stream-serialization
+    attribute and the kernel's first statement waits on the grids it depends on. ``--no-pdl``
+    (``pdl=False``) builds neither, from its own cache entry."""
+    import re
+
+    from tvm_rmsquant.codegen.lower import GRID_DEPENDENCY
+
+    for source in _kernel_sources(built[0] / "bundle"):
+        kernels = re.findall(r"__global__ void __launch_bounds__\([\d, ]+\) (\w+)\([^;{]*\)\s*\{\n", source)
+        assert kernels
+        for kernel in kernels:
+            body = source[source.index(f"{kernel}(", source.index("__launch_bounds__")) :]
+            assert body[body.index("{\n") + 2 :].startswith(GRID_DEPENDENCY), kernel
+        assert source.count("cudaLaunchAttributeProgrammaticStreamSerialization") == len(kernels)
+    report = builder.build(SPECS[:1], tmp_path / "bundle", jobs=1, cache_dir=built[0] / "cache", pdl=False)
+    assert report.lowered == 1 and Bundle(tmp_path / "bundle").manifest["toolchain"]["pdl"] is False
+    for source in _kernel_sources(tmp_path / "bundle"):
+        assert "griddepcontrol" not in source and "ProgrammaticStreamSerialization" not in source
+
+
 def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
     root, report = built
     assert report.published and report.variants == 3 and report.lowered == report.compiled == report.libraries == 3
     bundle = Bundle(root / "bundle")
     manifest = bundle.manifest
-    assert set(manifest["toolchain"]) == {"package", "apache-tvm", "apache-tvm-ffi", "nvcc", "target_archs"}
+    assert set(manifest["toolchain"]) == {"package", "apache-tvm", "apache-tvm-ffi", "nvcc", "target_archs", "pdl"}
+    assert manifest["toolchain"]["pdl"] is True
     assert manifest["toolchain"]["apache-tvm"] == "0.27.0.post1" and manifest["toolchain"]["target_archs"] == ["sm_90a", "sm_100a"]
     assert bundle.names() == sorted(spec.name for spec in SPECS)
     for spec in SPECS:

@@ -21,7 +21,7 @@ import torch
 from . import reference
 from .checks import compare, random_inputs
 from .spec import VariantSpec
-from .timing import copy_ceiling, cpu_oracle, input_copies, kernel_call, op_bytes, point_inputs, time_call
+from .timing import copy_ceiling, cpu_oracle, events_median, input_copies, kernel_call, op_bytes, point_inputs, time_call
 
 
 @dataclasses.dataclass
@@ -378,3 +378,59 @@ def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, ou
     (out / "bench.md").write_text(markdown_table(points, ceiling))
     plot(points, ceiling, out / "bench.png")
     return points
+
+
+#: Pairs per CUDA graph in ``gemm_pairs``: what a model's layers chain.
+PAIRS = 20
+
+
+def gemm_pairs(bundle, providers, hidden_sizes, rows_list, eps: float = 1e-6) -> List[Dict]:
+    """Microseconds per (bf16 GEMM [M, K] x [K, K] -> the op on its output) pair, from CUDA-graph
+    replays of ``PAIRS`` pairs: where PDL lets the op launch while the GEMM ends. The job is
+    FlashInfer's (residual, col fp32, G = 128); each provider is checked on the GEMM's real
+    output before it is timed, and a wrong one is reported, not timed."""
+    rows_out = []
+    for hidden in hidden_sizes:
+        spec = VariantSpec("bf16", hidden, 128, True, "col", "fp32")
+        for rows in rows_list:
+            generator = torch.Generator(device="cuda").manual_seed(rows + hidden)
+            a = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+            w = (torch.randn(hidden, hidden, device="cuda", generator=generator) / math.sqrt(hidden)).bfloat16()
+            for provider in providers:
+                if not provider.supports(spec):
+                    continue
+                inputs = point_inputs(spec, rows, hidden)
+                inputs["x"] = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")  # the GEMM writes it
+                residual_before = inputs["residual"].clone()
+                call, outputs = provider.prepare(spec, inputs, eps)
+
+                def pair(call=call, out=inputs["x"]):
+                    torch.matmul(a, w, out=out)
+                    call()
+
+                pair()
+                torch.cuda.synchronize()
+                checked = dict(inputs, residual=residual_before)
+                oracle = reference.rms_norm_group_quant(inputs["x"].cpu(), inputs["weight"].cpu(), eps, spec, residual_before.cpu())
+                if hasattr(provider, "judge"):
+                    verdict = provider.judge(spec, outputs, checked, eps, oracle)
+                else:
+                    agreement = compare(spec, outputs, oracle, hidden)
+                    verdict = agreement.describe() if agreement.passed else "WRONG: " + agreement.describe()
+                microseconds = float("nan")
+                if not verdict.startswith("WRONG"):
+                    graph = torch.cuda.CUDAGraph()
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        pair()
+                        with torch.cuda.graph(graph, stream=stream):
+                            for _ in range(PAIRS):
+                                pair()
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    microseconds = events_median(graph.replay, 20) * 1e3 / PAIRS
+                rows_out.append({"provider": provider.name, "spec": spec.name, "rows": rows, "us_per_pair": microseconds, "agreement": verdict})
+                print(f"pair {provider.name:11s} {spec.name:34s} M={rows:6d} {microseconds:9.2f} us/pair" + ("  " + verdict if verdict.startswith("WRONG") else ""), flush=True)
+    return rows_out

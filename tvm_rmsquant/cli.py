@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("-j", "--jobs", type=int, default=2, help="parallel lowering processes and nvcc invocations")
     build.add_argument("--cache", help="build cache directory (default: ~/.cache/tvm_rmsquant)")
     build.add_argument("--knobs", type=_parse_knobs, default={}, help="override schedule knobs where valid, e.g. groups_per_thread=8")
+    build.add_argument("--no-pdl", action="store_true",
+                       help="launch the kernels without programmatic dependent launch (on by default: each kernel "
+                            "waits on griddepcontrol before its first read, so it may launch while the previous one ends)")
     build.add_argument("--arch", type=_parse_archs, default=",".join(DEFAULT_ARCHS),
                        help=f"comma-separated GPU archs every library holds SASS for, of {','.join(TARGETS)} (default: %(default)s); "
                             "tuning records are matched against the first one's compute capability")
@@ -93,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     bench.add_argument("--slow-rows", type=_parse_hidden, help="M values at which torch_eager/torch_compile run (default: all)")
     bench.add_argument("--overhead", action="store_true", help="also measure eager host overhead against torch.add")
+    bench.add_argument("--pairs", action="store_true",
+                       help="instead of the grid: bf16 GEMM -> op pairs in a CUDA graph (residual, col fp32), per provider; for PDL")
     bench.add_argument("--out", type=Path, default=Path("bench-results"))
 
     tune = commands.add_parser("tune", help="schedule tuning: build candidates (CPU), measure them (GPU), report, record").add_subparsers(dest="tune_command", required=True)
@@ -196,7 +201,7 @@ def _build(args) -> int:
         try:
             report = builder.build(
                 specs, out, jobs=args.jobs, cache_dir=cache, choose=choose, tuned=tuned,
-                progress=lambda stage, n: bar.advance(tasks[stage], n), extra=extra, archs=args.arch,
+                progress=lambda stage, n: bar.advance(tasks[stage], n), extra=extra, archs=args.arch, pdl=not args.no_pdl,
             )
         except OSError as error:
             reason = "disk full" if error.errno == errno.ENOSPC else "a file could not be written or read"
@@ -248,6 +253,12 @@ def _bench(args) -> int:
     except ValueError as error:
         print(f"error: --providers={args.providers}: {error}", file=sys.stderr)
         return 2
+    if args.pairs:
+        from .bench import gemm_pairs
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "pairs.json").write_text(json.dumps(gemm_pairs(bundle, providers, args.hidden, args.rows), indent=1))
+        return 0
     run_benchmark(bundle, args.dtype, args.hidden, args.rows, formats, providers, args.out, args.slow_rows)
     if args.overhead:
         from .bench import host_overhead
