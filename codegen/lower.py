@@ -43,8 +43,10 @@ def _scheduled(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], target:
 
 
 def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: str, target: Target):
-    """The scheduled PrimFunc of one variant for ``target``, exported under ``grouped_symbol(symbol)``."""
-    return _scheduled(spec, rule_name, knobs, target).with_attr("global_symbol", launch.grouped_symbol(symbol))
+    """The scheduled PrimFunc of one variant for ``target``, with the rule's occupancy hint,
+    exported under ``grouped_symbol(symbol)``."""
+    func = with_min_blocks_per_sm(_scheduled(spec, rule_name, knobs, target), rule_by_name(rule_name).min_blocks_per_sm(knobs))
+    return func.with_attr("global_symbol", launch.grouped_symbol(symbol))
 
 
 def kernel_digest(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], target: Target) -> str:
@@ -55,19 +57,35 @@ def kernel_digest(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], targ
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def with_min_blocks_per_sm(source: str, kernel: str, blocks: int) -> str:
-    """Give ``kernel``'s ``__launch_bounds__`` the occupancy hint ``blocks`` (0: unchanged).
+#: TVM 0.27's CUDA codegen writes ``__launch_bounds__(threads, N)`` for this attribute around a kernel's body.
+MIN_BLOCKS_ATTR = "tirx.launch_bounds_min_blocks_per_sm"
 
-    TVM writes ``__launch_bounds__(threads)`` from the thread extents; its own
-    min-blocks attribute is read only from TIRx device entries, not from scheduled TIR.
+
+def with_min_blocks_per_sm(func, blocks: int):
+    """``func`` with ``T.attr(0, MIN_BLOCKS_ATTR, blocks)`` around the body of its blockIdx.x loop
+    (0: unchanged): the occupancy hint of CUDA's ``__launch_bounds__``.
+
+    TVM 0.27 reads the attribute only inside the kernel (as a function attribute or a loop
+    annotation it is ignored), and a schedule has no primitive that wraps a loop's body in an
+    attribute, so the function is printed, the body wrapped, and the text parsed back, as
+    ``expr`` declares strided parameters.
     """
     if not blocks:
-        return source
-    pattern = re.compile(rf"__launch_bounds__\((\d+)\) {re.escape(kernel)}\(")
-    source, count = pattern.subn(lambda match: f"__launch_bounds__({match.group(1)}, {blocks}) {kernel}(", source)
-    if not count:
-        raise RuntimeError(f"found no __launch_bounds__ for {kernel} in the generated source")
-    return source
+        return func
+    import tvm
+
+    lines = func.script().split("\n")
+    heads = [index for index, line in enumerate(lines) if 'thread="blockIdx.x"' in line]
+    if len(heads) != 1:
+        raise RuntimeError(f"expected one blockIdx.x loop to give min_blocks_per_sm={blocks}, found {len(heads)}")
+    head = heads[0]
+    indent = len(lines[head]) - len(lines[head].lstrip())
+    end = head + 1
+    while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    body = ["    " + line if line.strip() else line for line in lines[head + 1 : end]]
+    lines[head + 1 : end] = [" " * (indent + 4) + f'with T.attr(0, "{MIN_BLOCKS_ATTR}", {blocks}):'] + body
+    return tvm.script.from_source("\n".join(lines))
 
 
 #: The PrimFunc attribute with which TVM 0.27's launcher sets CUDA's programmatic-stream-
@@ -153,10 +171,8 @@ def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, 
     with tvm.transform.PassContext(config=PASS_CONFIG):
         built = tvm.compile(tvm.IRModule(funcs), target=cuda_target(archs))
     kernels = tvm.backend.cuda.export_cuda_host(built.mod)
-    for spec, rule, knobs, symbol, _ in variants:
-        blocks = rule_by_name(rule).min_blocks_per_sm(knobs)
-        kernels = with_min_blocks_per_sm(kernels, f"{launch.grouped_symbol(symbol)}_kernel", blocks)
-        if pdl:
+    if pdl:
+        for _, _, _, symbol, _ in variants:
             kernels = with_grid_dependency(kernels, f"{launch.grouped_symbol(symbol)}_kernel")
     return "\n".join([kernels, entry_points(variants)])
 
