@@ -133,10 +133,12 @@ def remembered_kernel_digests(cache_dir: Path, tools: Dict) -> Callable[[Variant
     Every build keys its lowering cache on each kernel's digest, and the tuning database
     checks each record's, and a digest schedules the kernel (about 0.075 s each here): 36
     records alone took 2.5 s of a 5.7 s no-change rebuild. The key is all the code that may
-    decide a kernel and the toolchain; an unreadable or partial file is recomputed, and it is
-    rewritten whole (atomically) when it grows.
+    decide a kernel and the toolchain (not PDL, which changes the launch, not the scheduled TIR
+    a digest hashes); an unreadable or partial file is recomputed, and it is rewritten whole
+    (atomically) when it grows.
     """
-    key = sha256_bytes(json.dumps({"code": code_fingerprint(), "tools": tools}, sort_keys=True).encode())[:16]
+    deciding = {name: value for name, value in tools.items() if name != "pdl"}
+    key = sha256_bytes(json.dumps({"code": code_fingerprint(), "tools": deciding}, sort_keys=True).encode())[:16]
     target = scheduling_target(tools["target_archs"])
     path = cache_dir / "digests" / f"{key}.json"
     try:

@@ -123,7 +123,7 @@ def entry_point(spec: VariantSpec, symbol: str, buckets: Sequence[Tuple[int, str
     kinds = ", ".join(str(kind) for _, kind in params)
     input_dtype = ", ".join("true" if name in launch.INPUT_DTYPE_ARGS else "false" for name, _ in params)
     code, bits = _DLPACK_DTYPES[spec.dtype]
-    weight_code, weight_bits = _DLPACK_DTYPES[spec.weight_dtype or spec.dtype]
+    weight_code, weight_bits = _DLPACK_DTYPES[spec.weight_dtype_name]
     hidden = -1 if spec.hidden is None else spec.hidden
     multiple = spec.group * spec.scale.groups_per_word
     kernels = sorted(buckets) + [(-1, symbol)]

@@ -7,7 +7,7 @@ fused (``install``), unfused (``install(fuse=False)``: transformers' norm, then 
 quant, then the GEMM) and the bf16 model. Correctness first: fused logits within one fp8 step
 of the unfused ones and cosine >= 0.99 against bf16, on random tokens; nothing is timed on zeros.
 
-Timed, as medians of CUDA-event-timed CUDA-graph replays (``timing.events_median``):
+Timed, as medians of CUDA-event-timed CUDA-graph replays (``timing.time_call``) or eager calls:
   * one decoder layer: prefill M = 2048 eager and compiled, decode M = 1 (graph replay);
   * the norm + quant share of that layer: the same layer's norm and quant modules alone;
   * the 2-layer model's forward of one token (no KV cache), FP8 fused against bf16.
@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 from tvm_rmsquant.integrations.transformers import BlockFP8Linear, install
-from tvm_rmsquant.timing import events_median
+from tvm_rmsquant.timing import events_median, time_call
 
 SIZES = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
              num_hidden_layers=2, vocab_size=32000, max_position_embeddings=4096)
@@ -69,22 +69,10 @@ def _layer_inputs(model, rows):
     return captured["call"]
 
 
-def _graph_ms(run, calls=20, repeats=30):
-    """Median ms of one ``run`` from CUDA-graph replays of ``calls`` runs."""
+def _graph_ms(run, calls=20):
+    """Median ms of one ``run`` from CUDA-graph replays of ``calls`` runs (``timing.time_call``)."""
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                run()
-        graph.replay()
-        torch.cuda.synchronize()
-        return events_median(graph.replay, repeats) / calls
+        return time_call(lambda _: run, 1, 0, per_graph=calls) / 1e3
 
 
 def _eager_ms(run, repeats=30):

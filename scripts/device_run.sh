@@ -4,6 +4,7 @@
 #   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile transformers pairs tune
 #            (default: all but tune, transformers and pairs; pairs needs artifacts/flashinfer_peer, from
 #            scripts/build_flashinfer_peer.py)
+#   TEST_PATHS                 the tests stage's files (default: tests)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
 #                              artifacts/bundle was built with, else the newest carried); tests runs under each
 #   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
@@ -61,7 +62,7 @@ for stage in $STAGES; do
         log=$RESULTS/tests-$version.log
         PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -c 'import importlib.metadata as m, tvm_ffi
 print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' > "$log" 2>&1
-        PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -m pytest -p no:cacheprovider -m gpu tests -q -rfE --durations=8 ${PYTEST_ARGS:-} \
+        PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -m pytest -p no:cacheprovider -m gpu ${TEST_PATHS:-tests} -q -rfE --durations=8 ${PYTEST_ARGS:-} \
           >> "$log" 2>&1 || status=$?
         grep -E "^(FAILED|ERROR) " "$log" | head -n 20 | sed "s/^/apache-tvm-ffi $version: /"
         echo "tests under $(head -n 1 "$log"): $(tail -n 1 "$log")"

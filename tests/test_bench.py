@@ -20,8 +20,6 @@ def test_a_wrong_provider_is_labelled_whether_or_not_it_was_timed():
 def test_a_peer_with_other_numerics_is_judged_by_its_dequantized_error():
     """The flashinfer provider's verdict: its dequantized output against fp64, next to the
     contract's own error, and its residual bit for bit; a broken peer is WRONG."""
-    import torch
-
     from tvm_rmsquant import reference
     from tvm_rmsquant.bench import FlashInferProvider, dequantized_verdict
     from tvm_rmsquant.checks import random_inputs

@@ -49,7 +49,7 @@ def _kernel_sources(bundle_root):
 def test_every_kernel_launches_with_pdl_and_waits_before_its_first_read(built, tmp_path):
     """Programmatic dependent launch (on by default): the launcher sets the stream-serialization
     attribute and the kernel's first statement waits on the grids it depends on. ``--no-pdl``
-    (``pdl=False``) builds neither, from its own cache entry."""
+    (``pdl=False``) builds neither, from its own lowering cache entry."""
     import re
 
     from tvm_rmsquant.codegen.lower import GRID_DEPENDENCY
@@ -63,6 +63,8 @@ def test_every_kernel_launches_with_pdl_and_waits_before_its_first_read(built, t
         assert source.count("cudaLaunchAttributeProgrammaticStreamSerialization") == len(kernels)
     report = builder.build(SPECS[:1], tmp_path / "bundle", jobs=1, cache_dir=built[0] / "cache", pdl=False)
     assert report.lowered == 1 and Bundle(tmp_path / "bundle").manifest["toolchain"]["pdl"] is False
+    # PDL changes the launch, not the scheduled TIR: both builds share one memo of kernel digests.
+    assert len(list((built[0] / "cache" / "digests").glob("*.json"))) == 1
     for source in _kernel_sources(tmp_path / "bundle"):
         assert "griddepcontrol" not in source and "ProgrammaticStreamSerialization" not in source
 

@@ -14,7 +14,7 @@ from .dispatch import BoundKernel
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES, TORCH_DTYPES
 from .serving import Candidate
-from .spec import VariantSpec, check_eps
+from .spec import VariantSpec, check_eps, mixed_weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,11 @@ def _resolve(spec: VariantSpec, device_type: str, weight_dtype: torch.dtype) -> 
     """``serving.choose`` on the default bundle (contents only: no device query); the first
     call then serves that bundle, as ``select`` does."""
     if weight_dtype != TORCH_DTYPES[spec.dtype] and spec.norm:
-        if weight_dtype == torch.float32:  # the mixed-dtype kernels (_wf32)
-            return _resolve(dataclasses.replace(spec, weight_dtype="fp32"), device_type, TORCH_DTYPES[spec.dtype])
-        reason = f"the weight is {weight_dtype} and x {TORCH_DTYPES[spec.dtype]}; kernels take one dtype, or an fp32 weight"
+        try:  # the mixed-dtype kernels (_wf32) where some take the pair
+            mixed = mixed_weight_dtype(spec.dtype, DTYPE_NAMES[weight_dtype])
+            return _resolve(dataclasses.replace(spec, weight_dtype=mixed), device_type, TORCH_DTYPES[spec.dtype])
+        except ValueError as error:
+            reason = f"the weight is {weight_dtype} and x {TORCH_DTYPES[spec.dtype]}; no kernel takes the pair ({error})"
         logger.warning("tvm_rmsquant: %s; using the torch reference for %s", reason, spec.name)
         return BoundKernel(spec, None, [Candidate(spec.name, False, reason)], device_type=device_type, weight_dtype=weight_dtype)
     if device_type != "cuda":

@@ -21,7 +21,7 @@ import torch
 from . import reference
 from .checks import compare, random_inputs
 from .spec import VariantSpec
-from .timing import copy_ceiling, cpu_oracle, events_median, input_copies, kernel_call, op_bytes, point_inputs, time_call
+from .timing import copy_ceiling, cpu_oracle, input_copies, kernel_call, op_bytes, point_inputs, time_call
 
 
 @dataclasses.dataclass
@@ -78,13 +78,8 @@ def measure(provider, spec: VariantSpec, rows: int, hidden: int, ceiling: float,
         torch.cuda.synchronize()
     except Exception as error:  # a peer that cannot run this shape is reported, not fatal
         return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: {type(error).__name__}: {str(error)[:200]}")
-    oracle = cpu_oracle(spec, rows, hidden, eps)
     moved = op_bytes(spec, rows, hidden)
-    if hasattr(provider, "judge"):  # a peer with other numerics than the contract's
-        verdict = provider.judge(spec, outputs, inputs, eps, oracle)
-    else:
-        agreement = compare(spec, outputs, oracle, hidden)
-        verdict = agreement.describe() if agreement.passed else "WRONG: " + agreement.describe()
+    verdict = _verdict(provider, spec, outputs, inputs, eps, cpu_oracle(spec, rows, hidden, eps))
     if verdict.startswith("WRONG") and not getattr(provider, "timed_when_wrong", False):
         # A wrong provider is reported, never timed.
         return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), verdict)
@@ -97,6 +92,15 @@ def measure(provider, spec: VariantSpec, rows: int, hidden: int, ceiling: float,
         return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: timing: {type(error).__name__}: {str(error)[:200]}")
     rate = moved / (microseconds * 1e-6) / 1e9
     return Point(provider.name, spec.name, rows, hidden, microseconds, rate, rate / ceiling, verdict)
+
+
+def _verdict(provider, spec: VariantSpec, outputs, inputs: Dict, eps: float, oracle) -> str:
+    """The provider's outputs judged against the reference's ``oracle``: the contract's bar, or
+    the provider's own ``judge`` where its numerics differ; "WRONG: ..." when they fail."""
+    if hasattr(provider, "judge"):
+        return provider.judge(spec, outputs, inputs, eps, oracle)
+    agreement = compare(spec, outputs, oracle, inputs["x"].shape[1])
+    return agreement.describe() if agreement.passed else "WRONG: " + agreement.describe()
 
 
 def write_results(points: List[Point], ceiling: float, out: Path) -> None:
@@ -410,27 +414,9 @@ def gemm_pairs(bundle, providers, hidden_sizes, rows_list, eps: float = 1e-6) ->
 
                 pair()
                 torch.cuda.synchronize()
-                checked = dict(inputs, residual=residual_before)
                 oracle = reference.rms_norm_group_quant(inputs["x"].cpu(), inputs["weight"].cpu(), eps, spec, residual_before.cpu())
-                if hasattr(provider, "judge"):
-                    verdict = provider.judge(spec, outputs, checked, eps, oracle)
-                else:
-                    agreement = compare(spec, outputs, oracle, hidden)
-                    verdict = agreement.describe() if agreement.passed else "WRONG: " + agreement.describe()
-                microseconds = float("nan")
-                if not verdict.startswith("WRONG"):
-                    graph = torch.cuda.CUDAGraph()
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        pair()
-                        with torch.cuda.graph(graph, stream=stream):
-                            for _ in range(PAIRS):
-                                pair()
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    microseconds = events_median(graph.replay, 20) * 1e3 / PAIRS
+                verdict = _verdict(provider, spec, outputs, dict(inputs, residual=residual_before), eps, oracle)
+                microseconds = float("nan") if verdict.startswith("WRONG") else time_call(lambda _: pair, 1, rows, per_graph=PAIRS)
                 rows_out.append({"provider": provider.name, "spec": spec.name, "rows": rows, "us_per_pair": microseconds, "agreement": verdict})
                 print(f"pair {provider.name:11s} {spec.name:34s} M={rows:6d} {microseconds:9.2f} us/pair" + ("  " + verdict if verdict.startswith("WRONG") else ""), flush=True)
     return rows_out

@@ -167,7 +167,7 @@ def random_inputs(spec: VariantSpec, rows: int, hidden: int, seed: int, device="
         x.view(-1)[spots] *= 40.0
     inputs = {
         "x": x.to(dtype),
-        "weight": (1.0 + normal(hidden, scale=0.2)).to(TORCH_DTYPES[spec.weight_dtype or spec.dtype]) if spec.norm else None,
+        "weight": (1.0 + normal(hidden, scale=0.2)).to(TORCH_DTYPES[spec.weight_dtype_name]) if spec.norm else None,
         "residual": normal(rows, hidden).to(dtype) if spec.residual else None,
         "scale_ub": torch.tensor([6.0], device=device) if spec.scale_ub else None,
     }

@@ -183,7 +183,7 @@ def _build(args) -> int:
         except DatabaseError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        tools = builder.toolchain(args.arch)
+        tools = builder.toolchain(args.arch, not args.no_pdl)
         target = build_target(tools, schedule_target.capability, args.tuning_gpu)
         kernel_digest = builder.remembered_kernel_digests(cache, tools)
         tuned, rejected = database.for_build(target, {spec.name for spec in specs}, kernel_digest)

@@ -18,7 +18,7 @@ from . import ops, reference, serving
 from .loader import BundleError, open_bundle
 from .reference import DTYPE_NAMES
 from .serving import Candidate
-from .spec import VariantSpec, check_eps
+from .spec import VariantSpec, check_eps, mixed_weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -198,14 +198,18 @@ def select(
         if refusal is not None:
             why.append(Candidate(f"consumer {consumer}", False, refusal + "; falling back to Triton's row-major fp32 scales"))
             layout, fmt = CONSUMERS["triton"]
-    mixed = norm and weight_dtype == torch.float32 and dtype != torch.float32
-    spec = VariantSpec(DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub, norm=norm,
-                       weight_dtype="fp32" if mixed else None)
+    weight_field, weight_refusal = None, None
+    if norm and weight_dtype is not None:
+        try:
+            weight_field = mixed_weight_dtype(DTYPE_NAMES[dtype], DTYPE_NAMES[weight_dtype])
+        except ValueError as error:
+            weight_refusal = str(error)
+    spec = VariantSpec(DTYPE_NAMES[dtype], hidden_size, group_size, residual, layout, fmt, scale_ub, norm=norm, weight_dtype=weight_field)
     device = torch.device(device)
 
     chosen = None
-    if weight_dtype is not None and weight_dtype != dtype and norm and not mixed:
-        why.append(Candidate(spec.name, False, f"the norm weight is {weight_dtype} and the activations {dtype}; kernels take one dtype"))
+    if weight_refusal is not None:
+        why.append(Candidate(spec.name, False, f"the norm weight is {weight_dtype} and the activations {dtype}; no kernel takes the pair ({weight_refusal})"))
     elif device.type == "cuda" and not torch.cuda.is_available():
         why.append(Candidate("device", False, f"device={device}, but this torch {torch.__version__} has no CUDA device"))
     elif device.type == "cuda":
@@ -231,7 +235,7 @@ def select(
     if chosen is None:
         logger.warning("tvm_rmsquant: no kernel for %s; using the torch reference. Why: %s", spec.name, "; ".join(c.reason for c in why))
         why.append(Candidate("torch_reference", True, "no kernel applies; eager torch reference (slow)"))
-        return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type, weight_dtype=None if mixed else weight_dtype)
+        return BoundKernel(spec=spec, variant=None, why=why, device_type=device.type, weight_dtype=weight_dtype if weight_refusal else None)
     spec_bound = chosen.with_hidden(hidden_size) if chosen.is_dynamic else chosen
     kernel = ops.kernel(chosen.name, device) if device.type == "cuda" and no_native is not None else None
     return BoundKernel(spec=spec_bound, variant=chosen.name, why=why, kernel=kernel, device_type=device.type)

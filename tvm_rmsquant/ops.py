@@ -245,8 +245,7 @@ def check_arguments(spec: VariantSpec, x: torch.Tensor, weight: torch.Tensor, re
     elif weight_dtype is not None and weight_dtype != dtype:
         if weight.dtype != weight_dtype:
             raise TypeError(f"weight.dtype={weight.dtype}; this layer was selected for a {weight_dtype} norm weight")
-    elif weight.dtype != reference.TORCH_DTYPES[spec.weight_dtype or spec.dtype]:
-        wanted = reference.TORCH_DTYPES[spec.weight_dtype or spec.dtype]
+    elif weight.dtype != (wanted := reference.TORCH_DTYPES[spec.weight_dtype_name]):
         raise TypeError(
             f"weight.dtype={weight.dtype}, but variant {spec.name} takes a {wanted} weight. For a {weight.dtype} norm "
             f"weight with {dtype} activations use tvm_rmsquant.select(..., weight_dtype={weight.dtype})"

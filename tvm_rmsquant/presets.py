@@ -69,7 +69,7 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     blockwise = BLOCKWISE_LAYOUTS if name == "default" else tuple(pair for pair in RECORDS if pair[0] == "col_dense")
     specs = _specs(dtypes, static + dynamic, layouts, scale_ubs)
     specs += _specs(dtypes, [(k, 128) for k in hidden] + [(None, 128)], blockwise, scale_ubs)
-    specs += _specs(dtypes, group32, group32_layouts, scale_ubs if name == "all" else (False,))
+    specs += _specs(dtypes, group32, group32_layouts, scale_ubs)
     if name == "default":
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
     for groups, pairs in (([(None, 128)], layouts + blockwise), ([(None, 64)], layouts), ([(None, 32)], group32_layouts)):

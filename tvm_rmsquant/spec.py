@@ -170,9 +170,14 @@ class VariantSpec:
         return DTYPES[self.dtype]
 
     @property
+    def weight_dtype_name(self) -> str:
+        """The norm weight's dtype: ``weight_dtype`` where set, else the activations'."""
+        return self.weight_dtype or self.dtype
+
+    @property
     def weight_tvm_dtype(self) -> str:
         """The norm weight's dtype, as TVM and torch name it."""
-        return DTYPES[self.weight_dtype or self.dtype]
+        return DTYPES[self.weight_dtype_name]
 
     @property
     def itemsize(self) -> int:
@@ -206,6 +211,16 @@ class VariantSpec:
 
     def with_hidden(self, hidden: Optional[int]) -> "VariantSpec":
         return dataclasses.replace(self, hidden=hidden)
+
+
+def mixed_weight_dtype(dtype: str, weight: str) -> Optional[str]:
+    """The ``weight_dtype`` of a norm with ``dtype`` activations and a ``weight`` weight (spec
+    dtype names): None where they are one dtype, else ``weight`` where some kernel takes the pair
+    (an fp32 weight with 16-bit activations). ValueError, from the spec's own checks, where none does."""
+    if weight == dtype:
+        return None
+    VariantSpec(dtype, None, weight_dtype=weight)
+    return weight
 
 
 def num_groups(hidden: int, group: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -64,17 +64,18 @@ def copy_ceiling(gigabytes: float = 4.0) -> float:
     return 2 * source.numel() * 4 / (milliseconds * 1e-3) / 1e9
 
 
-def time_call(make_call: Callable[[int], Callable[[], None]], copies: int, rows: int) -> float:
+def time_call(make_call: Callable[[int], Callable[[], None]], copies: int, rows: int, per_graph: Optional[int] = None) -> float:
     """Microseconds per call; ``make_call(i)`` runs on input copy i.
 
     Every M runs as CUDA-graph replays of back-to-back calls: events around one eager call
     would also count the host's launch time, which the GPU waits out after the start event.
+    ``per_graph`` calls to a graph where given, else as many as suit M (``GRAPH_CALLS``).
     """
     calls = [make_call(i) for i in range(copies)]
     for call in calls:
         call()
     torch.cuda.synchronize()
-    per_graph = max(MIN_GRAPH_CALLS, GRAPH_CALLS * GRAPH_ROWS // max(rows, GRAPH_ROWS))
+    per_graph = per_graph or max(MIN_GRAPH_CALLS, GRAPH_CALLS * GRAPH_ROWS // max(rows, GRAPH_ROWS))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

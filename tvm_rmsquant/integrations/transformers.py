@@ -39,6 +39,7 @@ from torch import nn
 from .. import reference
 from ..dispatch import CONSUMERS, BoundKernel, select
 from ..scale_layout import scale_layout
+from ..spec import mixed_weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -158,11 +159,10 @@ class BlockFP8Linear(nn.Module):
         self.output_dtype = output_dtype
         #: Set by ``install`` where a fused norm feeds this layer: x is then the norm's fp8 codes.
         self.handoff: Optional[_Handoff] = None
-        scales = linear.weight_scale_inv.detach().float()
+        scales = linear.weight_scale_inv.detach().float()  # the Parameter itself where it is fp32
         columns = scales.shape[1]
-        padded = -(-columns // 4) * 4
-        if padded != columns or scales.data_ptr() != linear.weight_scale_inv.data_ptr():
-            scales = torch.nn.functional.pad(scales, (0, padded - columns))
+        if columns % 4:
+            scales = torch.nn.functional.pad(scales, (0, -(-columns // 4) * 4 - columns))
         self.register_buffer("scale_b", scales.t(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,8 +218,6 @@ def _quant_refusal(linear: nn.Module) -> Optional[str]:
         return f"block_size={linear.block_size}; the activation groups follow 128 x 128 weight blocks"
     if linear.activation_scheme != "dynamic":
         return f"activation_scheme={linear.activation_scheme!r}; only dynamic per-token-group quant is served"
-    if linear.weight.dtype != torch.float8_e4m3fn:
-        return f"the weight is {linear.weight.dtype}, not float8_e4m3fn"
     if linear.in_features % BLOCK:
         return f"in_features={linear.in_features} is not a multiple of {BLOCK}"
     return None
@@ -332,7 +330,9 @@ def _fusion(block: nn.Module, norm_attr: str, consumers: List[str], sites: Dict[
     unserved = [name for name in consumers if sites[name].quant == "unserved"]
     if unserved:
         return f"{', '.join(unserved)} cannot take a quantized activation ({sites[unserved[0]].why})", None
-    if weight.dtype not in (dtype, torch.float32):
+    try:
+        mixed_weight_dtype(reference.DTYPE_NAMES[dtype], reference.DTYPE_NAMES[weight.dtype])
+    except (KeyError, ValueError):
         return (f"the norm weight is {weight.dtype} and the activations {dtype}; the kernels take the activations' "
                 f"dtype or fp32, so its linears take the standalone quant of what it returns"), None
     layouts = {_consumer_of(name, consumer_map) for name in consumers}
