@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (no TVM there): install each carried apache-tvm-ffi wheel into its
 # own --target directory, then check and time the bundles built here and carried in artifacts/.
-#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile transformers pairs tune
-#            (default: all but tune, transformers and pairs; pairs needs artifacts/flashinfer_peer, from
+#   STAGES   space-separated, any of: tests overhead sanitize sweep bench compile transformers pairs tune profile
+#            (default: all but tune, transformers, pairs and profile; pairs needs artifacts/flashinfer_peer, from
 #            scripts/build_flashinfer_peer.py)
 #   TEST_PATHS                 the tests stage's files (default: tests)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
@@ -14,6 +14,8 @@
 #   TUNE_SPECS                 space-separated spec names: the tune stage measures only these
 #   TUNE_BUNDLES               the candidate bundles the tune stage measures (default: artifacts/tune_*)
 #   OVERHEAD_RUNS              how many times the overhead stage runs (default 1)
+#   PROFILE_VARIANTS, PROFILE_ROWS  the profile stage: ncu's throughput, memory, occupancy and warp-stall
+#                              sections for each named variant's kernel at M = PROFILE_ROWS (default 16384)
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz; $OUT/stages.log has the GPU's clocks and each
 # stage's start time. The tests stage runs the gpu tests once per carried apache-tvm-ffi wheel,
@@ -106,6 +108,14 @@ print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' 
       python3 -P -m tvm_rmsquant bench --pairs --providers ours,flashinfer --rows 1,16,128,1024 --hidden 2048,4096,5120,7168,8192 \
         --out /tmp/pairs > "$RESULTS/pairs.log" 2>&1 || status=1
       tail -n 45 "$RESULTS/pairs.log"; tar -czf "$RESULTS/pairs.tar.gz" -C /tmp pairs ;;
+    profile)
+      # ncu on one launch of each variant (scripts/sanitize.py runs it on random data, checked).
+      for variant in ${PROFILE_VARIANTS:-bf16_k7168_g128_row_fp32}; do
+        ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+          --section LaunchStats -k "regex:$variant" -c 1 python3 -P scripts/sanitize.py --only "$variant" \
+          --rows "${PROFILE_ROWS:-16384}" >> "$RESULTS/profile.log" 2>&1 || status=1
+      done
+      grep -E "==PROF==|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Block Limit|Stall|sanitize:|WRONG" "$RESULTS/profile.log" | head -n 60 ;;
     transformers)
       # transformers' FP8 Qwen3 at Qwen3-8B's sizes, fused against unfused and bf16 (needs accelerate: carry its wheel).
       python3 -P scripts/bench_transformers.py --out "$RESULTS/transformers.json" > "$RESULTS/transformers.log" 2>&1 || status=1
