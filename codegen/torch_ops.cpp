@@ -159,9 +159,11 @@ struct Argument {
 };
 
 // An in-place target whose rows share memory (an expanded tensor) would take one write in
-// several rows, and torch refuses the copy back only after the launch: refuse it first.
+// several rows, and torch refuses the copy back only after the launch: refuse it first. A
+// strided last dimension is left to describe(), which refuses it as the Python path does.
 void refuse_overlapping_rows(const Tensor& tensor, const char* name) {
-  if (tensor.dim() == 2 && tensor.size(0) > 1 && tensor.stride(0) < tensor.size(1)) {
+  const bool last_contiguous = tensor.dim() == 2 && (tensor.stride(1) == 1 || tensor.size(1) <= 1);
+  if (last_contiguous && tensor.size(0) > 1 && tensor.stride(0) < tensor.size(1)) {
     throw std::invalid_argument(std::string(name) + " has shape " + tuple_repr(tensor.sizes()) + " and strides " +
                                 tuple_repr(tensor.strides()) + ": its rows overlap (an expanded tensor?), so it cannot be " +
                                 "updated in place; pass " + name + ".clone()");

@@ -4,8 +4,9 @@ On a GPU, with the bundle in $TVM_RMSQUANT_BUNDLE. A 2-layer Qwen3 at Qwen3-8B's
 (hidden 4096, intermediate 12288, 32 heads of 128, 8 KV heads) with random weights is saved
 and reloaded with ``FineGrainedFP8Config`` (transformers quantizes it), then run three ways:
 fused (``install``), unfused (``install(fuse=False)``: transformers' norm, then the standalone
-quant, then the GEMM) and the bf16 model. Correctness first: fused logits within one fp8 step
-of the unfused ones and cosine >= 0.99 against bf16, on random tokens; nothing is timed on zeros.
+quant, then the GEMM) and the bf16 model. Correctness first, on random tokens: fused logits
+within one fp8 step of the unfused ones, and cosine >= ``MIN_COSINE`` against bf16; nothing is
+timed on zeros.
 
 Timed, as medians of CUDA-event-timed CUDA-graph replays (``timing.time_call``) or eager calls:
   * one decoder layer: prefill M = 2048 eager and compiled, decode M = 1 (graph replay);
@@ -29,6 +30,11 @@ from tvm_rmsquant.timing import events_median, time_call
 SIZES = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
              num_hidden_layers=2, vocab_size=32000, max_position_embeddings=4096)
 
+#: The bf16 model's logits against the FP8 one's: a gross check (a wrong scale layout gives ~0).
+#: FP8 itself costs this random-weight model more than the tests' tiny ones (0.99 there):
+#: 0.979 measured on the H100, 2026-12-06, with fused and unfused logits identical.
+MIN_COSINE = 0.95
+
 
 def _models(folder):
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
@@ -50,7 +56,7 @@ def _check(fused, unfused, bf16):
     within = bool(((a - b).abs() <= step).all())
     cosine = float(torch.nn.functional.cosine_similarity(a.flatten(), c.flatten(), dim=0))
     print(f"check: fused vs unfused max |diff| {float((a - b).abs().max()):.4g}, within one fp8 step: {within}; cosine vs bf16 {cosine:.5f}")
-    if not within or cosine < 0.99:
+    if not within or cosine < MIN_COSINE:
         sys.exit("correctness check failed: nothing timed")
 
 

@@ -7,7 +7,7 @@
 #   TEST_PATHS                 the tests stage's files (default: tests)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
 #                              artifacts/bundle was built with, else the newest carried); tests runs under each
-#   BENCH_ROWS, BENCH_HIDDEN   narrow the benchmark grid
+#   BENCH_ROWS, BENCH_HIDDEN, BENCH_FORMATS   narrow the benchmark grid
 #   BENCH_PROVIDERS            the bench stage's providers (default: ours,triton); BENCH_SLOW_ROWS the M
 #                              values at which torch_compile/torch_eager run (default: all)
 #   SWEEP_ROWS, SWEEP_FORMATS  the M values and layout:format pairs of the sweep stage
@@ -94,7 +94,7 @@ print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' 
       grep -E "==|M= *(4096|16384)" "$RESULTS/sweep.log"; tar -czf "$RESULTS/sweep.tar.gz" -C /tmp sweep ;;
     bench)
       python3 -P -m tvm_rmsquant bench --providers "${BENCH_PROVIDERS:-ours,triton}" --overhead --out /tmp/bench \
-        ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} ${BENCH_SLOW_ROWS:+--slow-rows $BENCH_SLOW_ROWS} > "$RESULTS/bench.log" 2>&1
+        ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} ${BENCH_FORMATS:+--formats $BENCH_FORMATS} ${BENCH_SLOW_ROWS:+--slow-rows $BENCH_SLOW_ROWS} > "$RESULTS/bench.log" 2>&1
       grep -E "ceiling|overhead|WRONG|ERROR|Error" "$RESULTS/bench.log" | head -n 30; tar -czf "$RESULTS/bench.tar.gz" -C /tmp bench ;;
     tune)
       # Candidate bundles from `tune build`: checked, then timed; one results JSON each.

@@ -6,9 +6,9 @@ GEMM written here. Each result is compared with a bf16 matmul of the normalized
 activations; the quantization error must match the torch reference path's within 1%.
 
 torch 2.11's scaled_mm takes 1x128 scales with strides exactly (1, M), and cuBLAS refuses
-M % 4 != 0 even then (measured on the H200 at M = 1, 3, 7, 255: CUBLAS_STATUS_NOT_SUPPORTED),
-so the col layout's TMA padding to a multiple of 4 rows is exactly what cuBLAS needs wherever
-it runs at all; the tests use M % 4 == 0.
+M % 4 != 0 even then (measured on the H200 at M = 1, 3, 7, 255 and on the H100 at M = 1, 5:
+CUBLAS_STATUS_NOT_SUPPORTED). So our scales feed it as they are at M % 4 == 0, and at odd M
+the transformers integration's GEMM op (``torch.ops.tvm_rmsquant.block_fp8_mm``) pads the rows.
 """
 
 from __future__ import annotations
@@ -96,9 +96,8 @@ class TritonBlockGEMM:
         return block_fp8_gemm(q, scales, self.codes, self.scales)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 256, 1024])
+@pytest.mark.parametrize("rows", [4, 256, 1024])
 def test_col_scales_feed_scaled_mm_blockwise_as_they_are(gpu_bundle, rows):
-    """M = 1 and 5 too: torch's BlockWise1x128 wants strides (1, M) and refuses TMA padding."""
     kernel = select(K, torch.bfloat16, consumer="cublas_blockwise", device="cuda", bundle=gpu_bundle.root)
     assert (kernel.spec.layout, kernel.spec.format) == ("col_dense", "fp32")
     gemm = ScaledMM(seed=1)
@@ -109,6 +108,28 @@ def test_col_scales_feed_scaled_mm_blockwise_as_they_are(gpu_bundle, rows):
     names = _kernels_launched_by(lambda: gemm(q, scales))
     assert scales.data_ptr() == pointer and names, names
     assert not [name for name in names if any(word in name.lower() for word in COPY_KERNELS)], names
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_odd_m_runs_through_the_padding_gemm_op(gpu_bundle, rows):
+    """cuBLAS refuses M % 4 != 0 (the fact ``GEMM_ROW_ALIGN`` records); the integration's op
+    pads to a multiple of 4 rows and returns M, with the reference path's error."""
+    from tvm_rmsquant.integrations.transformers import block_fp8_mm
+
+    kernel = select(K, torch.bfloat16, consumer="cublas_blockwise", device="cuda", bundle=gpu_bundle.root)
+    gemm = ScaledMM(seed=1)
+    x, norm_weight = _activations(rows, seed=2)
+    q, scales = kernel(x, norm_weight, EPS)
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_SUPPORTED"):
+        gemm(q, scales)
+
+    def padded(q, scales):
+        out = block_fp8_mm(q, scales, gemm.codes_t.t(), gemm.scales_t, torch.bfloat16)
+        assert out.shape == (q.shape[0], N)
+        return out
+
+    padded.weight = gemm.weight
+    _assert_error_matches_reference_path(padded, kernel, rows, seed=2)
 
 
 @pytest.mark.parametrize("rows", [7, 256])

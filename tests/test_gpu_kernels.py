@@ -59,11 +59,9 @@ def check_layout(spec: VariantSpec, scales: torch.Tensor, rows: int, hidden: int
         assert torch.equal(flat[matrix].to(torch.int32), exponents), "scale (r, c) must sit where cuBLAS reads it"
         assert torch.equal(flat, mx_tiles.swizzle(flat[matrix])), "the padding must stay zero"
         return
-    assert tuple(scales.shape) == (rows, cols)
-    if spec.layout == "row":
-        assert scales.stride() == (cols, 1)
-    else:
-        assert scales.stride() == (1, round_up(rows, TMA_ALIGN_ROWS))
+    shape, strides, _, _ = spec.scale.geometry(rows, groups)  # the layout record's own allocation
+    assert tuple(scales.shape) == shape == (rows, cols) and scales.stride() == strides
+    if spec.scale.column_major and spec.scale.row_align == TMA_ALIGN_ROWS:
         assert scales.stride(1) * scales.element_size() % 16 == 0, "col scales must be TMA (16-byte) aligned"
     values = reference.scales_fp32(scales, spec, hidden)
     if spec.pow2_scales:

@@ -88,7 +88,9 @@ def test_bad_input_is_refused_naming_the_argument_and_the_value(device):
     plain = "bf16_kdyn_g128_nonorm_col_fp32"
     dtype_error = TypeError if device == "cpu" else ValueError
     cases = [
-        (ValueError, r"normalizes; group_quant takes a standalone quant variant, such as 'bf16_kdyn_g128_nonorm_col_fp32'",
+        # Python names the variant to use instead; the C++ op says which op the variant needs.
+        (ValueError, r"normalizes(; group_quant takes a standalone quant variant, such as 'bf16_kdyn_g128_nonorm_col_fp32'"
+                     r"|: call rms_norm_group_quant \(group_quant takes a _nonorm variant\))",
          lambda: ops.group_quant(x, "bf16_kdyn_g128_col_fp32")),
         (ValueError, r"standalone quant", lambda: ops.rms_norm_group_quant(x, weight, 1e-6, plain)),
         (dtype_error, r"x.dtype.*float16", lambda: ops.group_quant(x.half(), plain)),

@@ -366,18 +366,31 @@ def test_the_vl_model_compiles_and_runs_while_device_queries_raise(saved):
 
 @pytest.mark.parametrize("hidden", [256, 512])
 @pytest.mark.parametrize("rows", [1, 3, 5, 8])
-def test_the_scales_are_what_scaled_mm_takes_at_odd_m(saved, hidden, rows):
-    """torch's BlockWise1x128 x BlockWise128x128 ``scaled_mm`` checks its operands in its
-    meta function: run the layer's GEMM on fake tensors, at M % 4 != 0 too."""
+def test_the_gemm_op_gives_scaled_mm_what_cublas_runs_at_every_m(saved, hidden, rows):
+    """cuBLAS runs BlockWise1x128 only at M % 4 == 0 (CUBLAS_STATUS_NOT_SUPPORTED else, on the
+    GPU), and torch's ``scaled_mm`` checks its operands in its meta function: what
+    ``padded_to_gemm_rows`` makes of our quant's output passes that check at every M, with
+    zero codes and scales in the added rows, and the layer's op returns M rows."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.functional import ScalingType, scaled_mm
 
     from tvm_rmsquant.dispatch import select
+    from tvm_rmsquant.integrations.transformers import GEMM_ROW_ALIGN, padded_to_gemm_rows
 
     model = _load(saved, "qwen3")
     linear = model.model.layers[0].mlp.down_proj if hidden == 512 else model.model.layers[0].self_attn.o_proj
     quant = select(hidden, torch.bfloat16, 128, consumer="cublas_blockwise", device="cpu", norm=False)
     layer = BlockFP8Linear(linear, quant, "scaled_mm", torch.bfloat16)
+    q, scales = quant(torch.randn(rows, hidden).bfloat16())
+    padded_q, padded_scales = padded_to_gemm_rows(q, scales)
+    gemm_rows = -(-rows // GEMM_ROW_ALIGN) * GEMM_ROW_ALIGN
+    assert padded_q.shape == (gemm_rows, hidden) and padded_scales.stride() == (1, gemm_rows)
+    assert torch.equal(padded_q[:rows].view(torch.uint8), q.view(torch.uint8)) and torch.equal(padded_scales[:rows], scales)
+    assert not padded_q[rows:].view(torch.uint8).any() and not padded_scales[rows:].any()
     with FakeTensorMode(allow_non_fake_inputs=True):
+        out = scaled_mm(padded_q, layer.weight.t(), padded_scales, ScalingType.BlockWise1x128, layer.scale_b,
+                        ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        assert out.shape == (gemm_rows, linear.out_features)
         out = layer(torch.empty(rows, hidden, dtype=torch.bfloat16))
     assert out.shape == (rows, linear.out_features) and out.dtype == torch.bfloat16
 

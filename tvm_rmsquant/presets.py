@@ -18,8 +18,8 @@ DEFAULT_DTYPES = ("bf16", "fp16")
 CONSUMER_LAYOUTS = (("row", "fp32"), ("col", "fp32"), ("col", "ue8m0"), ("col", "ue8m0_packed"))
 ALL_LAYOUTS = CONSUMER_LAYOUTS + (("row", "ue8m0"),)
 #: The default's scale_ub kernels (vLLM's ``rms_norm_per_block_quant`` takes a cap): dynamic
-#: K, G = 128, fp32 scales in both layouts: 8 variants, so that every kernel the ops can be
-#: asked for is built, and so run by the GPU tests, without doubling the build.
+#: K, G = 128, fp32 scales in both layouts, fused and standalone (12 variants), so that every
+#: kernel the ops can be asked for is built, and so run by the GPU tests, without doubling the build.
 DEFAULT_SCALE_UB_LAYOUTS = (("row", "fp32"), ("col", "fp32"))
 #: The default's G = 32 kernels, for every default hidden size and dynamic K (72 variants):
 #: packed UE8M0, which Blackwell DeepGEMM (``deepgemm_sm100``) also reads at group 32, and
@@ -72,6 +72,7 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     specs += _specs(dtypes, group32, group32_layouts, scale_ubs)
     if name == "default":
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
+        specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,), norm=False)
     for groups, pairs in (([(None, 128)], layouts + blockwise), ([(None, 64)], layouts), ([(None, 32)], group32_layouts)):
         specs += _specs(dtypes, groups, pairs, scale_ubs, norm=False)
         # An fp32 norm weight with 16-bit activations (Gemma, Qwen checkpoints): dynamic K, as the standalone quant.

@@ -146,8 +146,8 @@ class ScaleLayout:
 
         Row-major (and tiled): contiguous. Column-major: (1, ld) with any ld >= M. The kernels
         read ld from the tensor, so TMA's round_up(M, 4) (``geometry``'s allocation, what
-        DeepGEMM and cuBLAS read) and vLLM's unpadded (1, M) (what its fusion pass allocates
-        when M % 4 != 0, and all torch 2.11's BlockWise1x128 ``scaled_mm`` takes) both work.
+        DeepGEMM read) and vLLM's unpadded (1, M) (what its fusion pass allocates when M % 4 != 0,
+        and the only strides torch 2.11's BlockWise1x128 ``scaled_mm`` accepts) both work.
         With M = 0 nothing is written and any strides do. Strides are checked even where a
         dimension has size 1: the kernels' argument binder checks them.
         """
@@ -169,7 +169,8 @@ class ScaleLayout:
 
 #: Column-major layouts and the rows their storage is aligned to: ``col`` TMA-padded (DeepGEMM),
 #: ``col_dense`` exactly M (torch's BlockWise1x128 ``scaled_mm`` wants strides (1, M) and
-#: refuses (1, round_up(M, 4)) when M % 4 != 0: decode at odd batch sizes).
+#: refuses (1, round_up(M, 4)) when M % 4 != 0; cuBLAS then runs only M % 4 == 0, so odd M
+#: is padded by the consumer: ``integrations.transformers.block_fp8_mm``).
 COLUMN_MAJOR_ROW_ALIGN = {"col": TMA_ALIGN_ROWS, "col_dense": 1}
 
 

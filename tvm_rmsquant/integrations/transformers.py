@@ -15,9 +15,12 @@ activation quant is fused into the norm. Every other FP8 linear quantizes with t
 quant (``select(norm=False)``). Every site's variant comes from ``select()`` at init:
 hidden size, dtype, no residual (transformers adds the residual outside the norm module, so
 the add is not fused), and the layout the GEMM reads: ``cublas_blockwise``, column-major
-scales with strides exactly (1, M), which is what torch's BlockWise1x128 ``scaled_mm`` takes
-at odd M too. Nothing is decided at call time, so eager mode, ``torch.compile(fullgraph=True)``
-with a dynamic token count and CUDA graphs all run the same ops.
+scales with strides exactly (1, M), the only strides torch's BlockWise1x128 ``scaled_mm``
+accepts. cuBLAS itself runs that GEMM only where M % 4 == 0, so the GEMM is one custom op,
+``torch.ops.tvm_rmsquant.block_fp8_mm``, that pads odd M to a multiple of 4 rows inside
+(``GEMM_ROW_ALIGN``): Dynamo sees one opaque op, whatever M is, where torch 2.11's
+``scaled_mm`` itself breaks the graph. Nothing is decided at call time, so eager mode,
+``torch.compile(fullgraph=True)`` with a dynamic token count and CUDA graphs all run the same ops.
 
 Sites it cannot serve keep a working path, and ``install`` returns a ``SiteReport`` saying
 why for each: a norm with an fp32 weight is fused through the mixed-dtype kernels (``_wf32``);
@@ -38,7 +41,7 @@ from torch import nn
 
 from .. import reference
 from ..dispatch import CONSUMERS, BoundKernel, select
-from ..scale_layout import scale_layout
+from ..scale_layout import TMA_ALIGN_ROWS, scale_layout
 from ..spec import mixed_weight_dtype
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,11 @@ logger = logging.getLogger(__name__)
 BLOCK = 128
 #: The consumer (``dispatch.CONSUMERS``) the block-scaled GEMM reads, every site's default.
 CONSUMER = "cublas_blockwise"
+#: Rows cuBLAS's BlockWise1x128 GEMM needs M to be a multiple of: at M = 1, 3, 5, 7 and 255 it
+#: returns CUBLAS_STATUS_NOT_SUPPORTED with the (1, M) scale strides torch asks for (H100 and
+#: H200, torch 2.11+cu130), and torch refuses TMA's (1, round_up(M, 4)) there: the same
+#: 16-byte alignment of the scales' leading dimension as TMA's.
+GEMM_ROW_ALIGN = TMA_ALIGN_ROWS
 #: Blocks (by class name) in which an RMSNorm's output goes to FP8 linears and nowhere else,
 #: as (norm attribute, the linears it feeds): checked on transformers' own classes by
 #: ``tests/test_transformers.py``, which runs each block with hooks on the norms and linears.
@@ -138,6 +146,39 @@ class FusedRMSNormQuant(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, variant={self.kernel.variant or 'torch reference'}"
 
 
+def padded_to_gemm_rows(q: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of M rows as cuBLAS's block GEMM takes them: round_up(M, ``GEMM_ROW_ALIGN``)
+    rows, the added ones zero codes with zero scales, and the scales column-major with
+    strides (1, rows). At M % 4 == 0 they are returned as they are; else both are copied
+    (M x K bytes of codes: decode batches, in practice)."""
+    pad = -q.shape[0] % GEMM_ROW_ALIGN
+    if pad == 0:
+        return q, scales
+    q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+    scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])]).t().contiguous().t()
+    return q, scales
+
+
+@torch.library.custom_op("tvm_rmsquant::block_fp8_mm", mutates_args=())
+def block_fp8_mm(q: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+                 output_dtype: torch.dtype) -> torch.Tensor:
+    """q [M, K] fp8 with its BlockWise1x128 scales [M, K/128] (strides (1, M)) times weight
+    [N, K] fp8 with BlockWise128x128 ``weight_scales`` ([round_up(K/128, 4), N/128] column-major):
+    [M, N] in ``output_dtype``, by cuBLAS through ``torch.nn.functional.scaled_mm``, at any M."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    rows = q.shape[0]
+    q, scales = padded_to_gemm_rows(q, scales)
+    out = scaled_mm(q, weight.t(), scales, ScalingType.BlockWise1x128, weight_scales, ScalingType.BlockWise128x128,
+                    output_dtype=output_dtype)
+    return out if out.shape[0] == rows else out[:rows].clone()
+
+
+@block_fp8_mm.register_fake
+def _block_fp8_mm_fake(q, scales, weight, weight_scales, output_dtype):
+    return q.new_empty((q.shape[0], weight.shape[0]), dtype=output_dtype)
+
+
 class BlockFP8Linear(nn.Module):
     """transformers' ``FP8Linear`` on this package's activation quant and cuBLAS's block GEMM.
 
@@ -178,10 +219,7 @@ class BlockFP8Linear(nn.Module):
                 x = x.to(self.output_dtype)
             q, scales = self.quant(x.reshape(-1, self.in_features))
         if self.gemm == "scaled_mm":
-            from torch.nn.functional import ScalingType, scaled_mm
-
-            out = scaled_mm(q, self.weight.t(), scales, ScalingType.BlockWise1x128, self.scale_b, ScalingType.BlockWise128x128,
-                            output_dtype=self.output_dtype)
+            out = torch.ops.tvm_rmsquant.block_fp8_mm(q, scales, self.weight, self.scale_b, self.output_dtype)
         else:
             per_group = reference.scales_fp32(scales, self.quant.spec, self.in_features, q.shape[0])
             activations = (q.float().view(q.shape[0], -1, BLOCK) * per_group.unsqueeze(-1)).view(q.shape)
