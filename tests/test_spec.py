@@ -86,11 +86,12 @@ def test_default_preset_covers_the_consumer_table():
                          for layout, fmt in (("col", "ue8m0_packed"), ("tiled", "mxfp8"))}
     dense = {(s.hidden, s.group) for s in specs if s.layout == "col_dense"}
     assert dense == {(k, 128) for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None)}
-    # The standalone quant: dynamic K, every (group, layout, format) the fused kernels have, no scale_ub.
+    # The standalone quant: dynamic K, every (group, layout, format) the fused kernels have, and
+    # the same scale_ub variants.
     standalone = [s for s in everything if not s.norm]
-    assert all(s.is_dynamic and not s.residual and not s.scale_ub for s in standalone)
-    assert {(s.dtype, s.group, s.layout, s.format) for s in standalone} == {
-        (s.dtype, s.group, s.layout, s.format) for s in dynamic}
+    assert all(s.is_dynamic and not s.residual for s in standalone)
+    assert {(s.dtype, s.group, s.layout, s.format, s.scale_ub) for s in standalone} == {
+        (s.dtype, s.group, s.layout, s.format, s.scale_ub) for s in specs if s.is_dynamic and not s.residual}
     # An fp32 norm weight with 16-bit activations: dynamic K, every (group, layout, format), residual or not.
     mixed = [s for s in everything if s.weight_dtype is not None]
     assert all(s.is_dynamic and s.norm and s.weight_dtype == "fp32" and not s.scale_ub for s in mixed)
