@@ -150,13 +150,18 @@ def padded_to_gemm_rows(q: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Te
     """(q, scales) of M rows as cuBLAS's block GEMM takes them: round_up(M, ``GEMM_ROW_ALIGN``)
     rows, the added ones zero codes with zero scales, and the scales column-major with
     strides (1, rows). At M % 4 == 0 they are returned as they are; else both are copied
-    (M x K bytes of codes: decode batches, in practice)."""
-    pad = -q.shape[0] % GEMM_ROW_ALIGN
-    if pad == 0:
+    (M x K bytes of codes: decode batches, in practice), in four small kernels: a fill and a
+    copy each."""
+    rows = q.shape[0]
+    padded = rows + -rows % GEMM_ROW_ALIGN
+    if padded == rows:
         return q, scales
-    q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
-    scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])]).t().contiguous().t()
-    return q, scales
+    codes = q.new_empty(padded, q.shape[1])
+    codes[rows:].zero_()
+    codes[:rows] = q
+    columns = scales.new_zeros(scales.shape[1], padded)  # [C, M4]: its transpose has strides (1, M4)
+    columns[:, :rows] = scales.t()
+    return codes, columns.t()
 
 
 @torch.library.custom_op("tvm_rmsquant::block_fp8_mm", mutates_args=())
@@ -171,7 +176,7 @@ def block_fp8_mm(q: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, we
     q, scales = padded_to_gemm_rows(q, scales)
     out = scaled_mm(q, weight.t(), scales, ScalingType.BlockWise1x128, weight_scales, ScalingType.BlockWise128x128,
                     output_dtype=output_dtype)
-    return out if out.shape[0] == rows else out[:rows].clone()
+    return out[:rows]  # a view of the op's own output: contiguous, as the fake says
 
 
 @block_fp8_mm.register_fake
