@@ -304,20 +304,30 @@ def test_consumers_are_checked_and_a_norm_is_fused_only_for_one_layout(saved):
     assert {site.name: site.variant for site in report.sites}["model.layers.0.self_attn.k_proj"] == "bf16_k256_g128_nonorm_row_fp32"
 
 
-#: Where torch itself lives: Dynamo and Inductor query the device for their own use.
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+def _triton():
+    """triton, where it is installed (the GPU machine), as a one-element tuple; else ()."""
+    try:
+        import triton
+    except ImportError:
+        return ()
+    return (triton,)
+
+
+#: Where torch and the compiler it drives live: Dynamo, Inductor and Triton (its backends'
+#: drivers, seen on the H200) query the device for their own use.
+_COMPILER_DIRS = tuple(os.path.dirname(module.__file__) + os.sep for module in (torch, *_triton()))
 DEVICE_QUERIES = ("is_available", "get_device_capability", "get_device_properties", "current_device", "device_count")
 
 
 @contextlib.contextmanager
 def _no_device_queries():
-    """Make torch.cuda's device queries raise for any caller but torch itself (the model's
+    """Make torch.cuda's device queries raise for any caller but torch and Triton (the model's
     code, transformers', this package's): traced, the refusal breaks a fullgraph compile."""
 
     def refusing(name, original):
         def query(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if not caller.startswith(_TORCH_DIR):
+            if not caller.startswith(_COMPILER_DIRS):
                 raise AssertionError(f"torch.cuda.{name} ran while compiling, called from {caller}")
             return original(*args, **kwargs)
 
