@@ -386,6 +386,7 @@ def test_the_gemm_op_gives_scaled_mm_what_cublas_runs_at_every_m(saved, hidden, 
 
     from tvm_rmsquant.dispatch import select
     from tvm_rmsquant.integrations.transformers import GEMM_ROW_ALIGN, padded_to_gemm_rows
+    from tvm_rmsquant.scale_layout import round_up
 
     model = _load(saved, "qwen3")
     linear = model.model.layers[0].mlp.down_proj if hidden == 512 else model.model.layers[0].self_attn.o_proj
@@ -393,7 +394,7 @@ def test_the_gemm_op_gives_scaled_mm_what_cublas_runs_at_every_m(saved, hidden, 
     layer = BlockFP8Linear(linear, quant, "scaled_mm", torch.bfloat16)
     q, scales = quant(torch.randn(rows, hidden).bfloat16())
     padded_q, padded_scales = padded_to_gemm_rows(q, scales)
-    gemm_rows = -(-rows // GEMM_ROW_ALIGN) * GEMM_ROW_ALIGN
+    gemm_rows = round_up(rows, GEMM_ROW_ALIGN)
     assert padded_q.shape == (gemm_rows, hidden) and padded_scales.stride() == (1, gemm_rows)
     assert torch.equal(padded_q[:rows].view(torch.uint8), q.view(torch.uint8)) and torch.equal(padded_scales[:rows], scales)
     assert not padded_q[rows:].view(torch.uint8).any() and not padded_scales[rows:].any()

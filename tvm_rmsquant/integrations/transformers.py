@@ -41,7 +41,7 @@ from torch import nn
 
 from .. import reference
 from ..dispatch import CONSUMERS, BoundKernel, select
-from ..scale_layout import TMA_ALIGN_ROWS, scale_layout
+from ..scale_layout import TMA_ALIGN_ROWS, round_up, scale_layout
 from ..spec import mixed_weight_dtype
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def padded_to_gemm_rows(q: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Te
     (M x K bytes of codes: decode batches, in practice), in four small kernels: a fill and a
     copy each."""
     rows = q.shape[0]
-    padded = rows + -rows % GEMM_ROW_ALIGN
+    padded = round_up(rows, GEMM_ROW_ALIGN)
     if padded == rows:
         return q, scales
     codes = q.new_empty(padded, q.shape[1])
@@ -208,7 +208,7 @@ class BlockFP8Linear(nn.Module):
         scales = linear.weight_scale_inv.detach().float()  # the Parameter itself where it is fp32
         columns = scales.shape[1]
         if columns % 4:
-            scales = torch.nn.functional.pad(scales, (0, -(-columns // 4) * 4 - columns))
+            scales = torch.nn.functional.pad(scales, (0, round_up(columns, 4) - columns))
         self.register_buffer("scale_b", scales.t(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
