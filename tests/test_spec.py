@@ -87,9 +87,12 @@ def test_default_preset_covers_the_consumer_table():
     dense = {(s.hidden, s.group) for s in specs if s.layout == "col_dense"}
     assert dense == {(k, 128) for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, None)}
     # The standalone quant: dynamic K, every (group, layout, format) the fused kernels have, and
-    # the same scale_ub variants.
-    standalone = [s for s in everything if not s.norm]
-    assert all(s.is_dynamic and not s.residual for s in standalone)
+    # the same scale_ub variants; static K for the blockwise layout at the hidden and intermediate sizes.
+    standalone = [s for s in everything if not s.norm and s.is_dynamic]
+    assert not any(s.residual for s in everything if not s.norm)
+    static = {(s.dtype, s.hidden, s.group, s.layout, s.format, s.scale_ub) for s in everything if not s.norm and not s.is_dynamic}
+    assert static == {(d, k, 128, "col_dense", "fp32", False) for d in ("bf16", "fp16")
+                      for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, 12288, 14336)}
     assert {(s.dtype, s.group, s.layout, s.format, s.scale_ub) for s in standalone} == {
         (s.dtype, s.group, s.layout, s.format, s.scale_ub) for s in specs if s.is_dynamic and not s.residual}
     # An fp32 norm weight with 16-bit activations: dynamic K, every (group, layout, format), residual or not.

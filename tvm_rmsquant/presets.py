@@ -28,6 +28,12 @@ GROUP32_LAYOUTS = (("col", "ue8m0_packed"), ("tiled", "mxfp8"))
 #: cuBLAS BlockWise1x128 through torch's ``scaled_mm`` (``cublas_blockwise``, the transformers
 #: integration): G = 128 only, every default hidden size and dynamic K (36 variants).
 BLOCKWISE_LAYOUTS = (("col_dense", "fp32"),)
+#: Static-K standalone quant for that consumer, at every default hidden size (attention output)
+#: and these MLP intermediate sizes (down projection: Qwen3-8B 12288, Llama-3-8B and Mistral-7B
+#: 14336; 11008 and 18944 split into groups no whole number of warps covers, so ``row_resident``
+#: refuses them). At dynamic K, ``dynamic_rows`` walks a row's K / 128 groups one after another:
+#: the decode layer's norm + quant work took 61 us of its 253 us on the H200 (docs/perf.md).
+STANDALONE_INTERMEDIATE = (12288, 14336)
 #: The all preset's G = 32 kernels add every other format defined for G = 32 (the OCP MX rule).
 ALL_GROUP32_LAYOUTS = GROUP32_LAYOUTS + tuple(
     pair for pair, record in RECORDS.items() if record.group == MX_GROUP and pair not in GROUP32_LAYOUTS
@@ -52,13 +58,17 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
 
     Every preset includes one dynamic-K variant per (dtype, group, residual, layout, format),
     so any hidden size divisible by the group runs without a rebuild; and the standalone
-    quant (``norm=False``) of each (dtype, group, layout, format) at dynamic K only: the
-    layers it serves (attention output, MLP down projection) have sizes no short list covers;
-    and, the same way, the fp32-weight norm (``weight_dtype="fp32"``) of each 16-bit dtype.
+    quant (``norm=False``) of each (dtype, group, layout, format) at dynamic K: the layers it
+    serves (attention output, MLP down projection) have sizes no short list covers; at static
+    K too for cuBLAS's blockwise layout, the decode path of the transformers integration, at
+    the default hidden and ``STANDALONE_INTERMEDIATE`` sizes (at ``hidden`` where given); and,
+    at dynamic K as the standalone quant, the fp32-weight norm (``weight_dtype="fp32"``) of each
+    16-bit dtype.
     """
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; choose one of {PRESETS}")
     dtypes = tuple(dtypes) if dtypes is not None else (DEFAULT_DTYPES if name == "default" else ("bf16", "fp16", "fp32"))
+    standalone = tuple(hidden) if hidden is not None else DEFAULT_HIDDEN + STANDALONE_INTERMEDIATE
     hidden = tuple(hidden) if hidden is not None else DEFAULT_HIDDEN
     static = [(k, 128) for k in hidden] + [(k, 64) for k in hidden if name == "all" or k in GROUP64_HIDDEN]
     layouts = CONSUMER_LAYOUTS if name == "default" else ALL_LAYOUTS
@@ -70,6 +80,7 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     specs = _specs(dtypes, static + dynamic, layouts, scale_ubs)
     specs += _specs(dtypes, [(k, 128) for k in hidden] + [(None, 128)], blockwise, scale_ubs)
     specs += _specs(dtypes, group32, group32_layouts, scale_ubs)
+    specs += _specs(dtypes, [(k, 128) for k in standalone], blockwise, (False,), norm=False)
     if name == "default":
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,))
         specs += _specs(dtypes, [(None, 128)], DEFAULT_SCALE_UB_LAYOUTS, (True,), norm=False)
