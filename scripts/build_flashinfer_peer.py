@@ -22,14 +22,14 @@ import zipfile
 from pathlib import Path
 
 from tvm_rmsquant.codegen.nvcc import NvccError, ffi_paths, find_nvcc
-from tvm_rmsquant.target import TARGETS
+from tvm_rmsquant.target import SM_90A
 
 #: The FlashInfer the issue measured against.
 WHEEL = "flashinfer-python==0.7.2.post1"
 BINDING = Path(__file__).with_name("flashinfer_peer.cu")
 LIBRARY = "flashinfer_peer.so"
-#: Its kernel is Hopper code; FlashInfer's own AOT flags for it.
-ARCH = "sm_90a"
+#: Its kernel is Hopper code (the target module's record); FlashInfer's own AOT flags for it.
+ARCH = SM_90A
 FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-shared", "-Xcompiler", "-fPIC",
          "-DENABLE_BF16", "-DENABLE_FP8", "-DFLASHINFER_ENABLE_BF16", "-DFLASHINFER_ENABLE_F16", "-DFLASHINFER_ENABLE_FP8_E4M3"]
 #: Headers the kernel's includes name but never use for this kernel: empty stand-ins.
@@ -68,14 +68,14 @@ def main(argv=None) -> int:
         includes = extract_headers(download(scratch), scratch)
         paths = ffi_paths()
         partial = scratch / LIBRARY
-        command = [nvcc, *FLAGS, TARGETS[ARCH].gencode, *(f"-I{path}" for path in includes),
+        command = [nvcc, *FLAGS, ARCH.gencode, *(f"-I{path}" for path in includes),
                    f"-I{paths['include']}", f"-I{paths['dlpack']}", "-o", str(partial), str(BINDING),
                    f"-L{paths['libdir']}", "-ltvm_ffi", "-lcudart"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise NvccError("nvcc failed on the FlashInfer peer:\n" + "\n".join(result.stderr.strip().splitlines()[-20:]))
         partial.replace(library) if partial.stat().st_dev == args.out.stat().st_dev else library.write_bytes(partial.read_bytes())
-    print(f"built {library} ({library.stat().st_size // 1024} KiB) from {WHEEL} for {ARCH}")
+    print(f"built {library} ({library.stat().st_size // 1024} KiB) from {WHEEL} for {ARCH.name}")
     return 0
 
 

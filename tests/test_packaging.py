@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_schedules_and_codegen_are_not_top_level_imports(tmp_path):
@@ -64,3 +65,19 @@ def test_ci_runs_the_readmes_test_command_verbatim():
     command = (root / ".ci" / "run").read_text().strip().splitlines()[-1]
     readme = (root / "README.md").read_text()
     assert "2. Install the test dependencies" in readme and f"   {command}\n" in readme
+
+
+#: Each fact's one home (issue 23): the arch names live in the target module, the packed UE8M0
+#: test in the scale-layout module. Everything else asks them.
+OWNED_LITERALS = {'"sm_90a"': "tvm_rmsquant/target.py", '== "ue8m0_packed"': "tvm_rmsquant/scale_layout.py"}
+
+
+def test_arch_and_packed_layout_literals_live_only_in_their_owning_modules():
+    root = Path(__file__).resolve().parents[1]
+    sources = [path for folder in ("tvm_rmsquant", "schedules", "codegen", "scripts")
+               for path in (root / folder).rglob("*") if path.suffix in (".py", ".cpp", ".cu", ".cuh", ".sh")]
+    assert len(sources) > 20, sources
+    for literal, owner in OWNED_LITERALS.items():
+        strays = [str(path.relative_to(root)) for path in sources
+                  if literal in path.read_text() and path.relative_to(root).as_posix() != owner]
+        assert strays == [], f"{literal} outside {owner}: {strays}"
