@@ -146,7 +146,7 @@ class ScaleLayout:
 
         Row-major (and tiled): contiguous. Column-major: (1, ld) with any ld >= M. The kernels
         read ld from the tensor, so TMA's round_up(M, 4) (``geometry``'s allocation, what
-        DeepGEMM read) and vLLM's unpadded (1, M) (what its fusion pass allocates when M % 4 != 0,
+        DeepGEMM reads) and vLLM's unpadded (1, M) (what its fusion pass allocates when M % 4 != 0,
         and the only strides torch 2.11's BlockWise1x128 ``scaled_mm`` accepts) both work.
         With M = 0 nothing is written and any strides do. Strides are checked even where a
         dimension has size 1: the kernels' argument binder checks them.
