@@ -5,6 +5,7 @@
 #            (default: all but tune, transformers, pairs and profile; pairs needs artifacts/flashinfer_peer, from
 #            scripts/build_flashinfer_peer.py)
 #   TEST_PATHS                 the tests stage's files (default: tests)
+#   TESTS_SIDE_BY_SIDE=1       the tests stage runs the carried apache-tvm-ffi versions at once (default: one by one)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
 #                              artifacts/bundle was built with, else the newest carried); tests runs under each
 #   BENCH_ROWS, BENCH_HIDDEN, BENCH_FORMATS   narrow the benchmark grid
@@ -60,12 +61,27 @@ for stage in $STAGES; do
   case $stage in
     tests)
       # Once per carried apache-tvm-ffi; each log starts with the version and the tvm_ffi it imported.
-      for version in $FFI_VERSIONS; do
-        log=$RESULTS/tests-$version.log
+      # TESTS_SIDE_BY_SIDE=1 runs the versions at once, each with its share of the CPU cores and its
+      # own compile caches: the suite's time is mostly the CPU reference (the GPU idles), and torch's
+      # default of one thread per core in each of three processes would oversubscribe the host.
+      versions=($FFI_VERSIONS)
+      jobs=$([ "${TESTS_SIDE_BY_SIDE:-0}" = 1 ] && echo ${#versions[@]} || echo 1)
+      threads=$(( $(nproc) / jobs )); [ $threads -ge 1 ] || threads=1
+      run_tests() {
+        local version=$1 log=$RESULTS/tests-$1.log caches=/tmp/caches-$1
         PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -c 'import importlib.metadata as m, tvm_ffi
 print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' > "$log" 2>&1
-        PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -m pytest -p no:cacheprovider -m gpu ${TEST_PATHS:-tests} -q -rfE --durations=8 ${PYTEST_ARGS:-} \
-          >> "$log" 2>&1 || status=$?
+        OMP_NUM_THREADS=$threads TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
+          PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -m pytest -p no:cacheprovider -m gpu ${TEST_PATHS:-tests} -q -rfE --durations=8 ${PYTEST_ARGS:-} \
+          >> "$log" 2>&1
+      }
+      pids=()
+      for version in "${versions[@]}"; do
+        if [ $jobs -gt 1 ]; then run_tests "$version" & pids+=($!); else run_tests "$version" || status=1; fi
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      for version in "${versions[@]}"; do
+        log=$RESULTS/tests-$version.log
         grep -E "^(FAILED|ERROR) " "$log" | head -n 20 | sed "s/^/apache-tvm-ffi $version: /"
         echo "tests under $(head -n 1 "$log"): $(tail -n 1 "$log")"
       done ;;
