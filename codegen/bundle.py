@@ -372,41 +372,46 @@ def build_libraries(
             tick("lower", len(variants))
         else:
             to_lower[name] = (cached, variants)
-    if to_lower:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(to_lower))), mp_context=context) as pool:
-            futures = {pool.submit(_lower_library, variants, tools["target_archs"], tools["pdl"]): name for name, (_, variants) in to_lower.items()}
-            for future in concurrent.futures.as_completed(futures):
-                name = futures[future]
-                cached, variants = to_lower[name]
-                source = future.result().encode()
-                record = _store(cached, lambda staged: staged.write_bytes(source) and None)
-                sources[name] = (cached, record["sha256"])
-                tick("lower", len(variants))
 
     objects: Dict[str, Tuple[Path, Dict]] = {}
-    to_compile = {}
-    for name, (source, source_sha) in sources.items():
+    compiled: List[str] = []
+
+    def compile_one(name: str) -> None:
+        source, source_sha = sources[name]
         library = cache_dir / "compiled" / f"{compile_key(source_sha, tools, nvcc_step.kernel_flags(archs))}.so"
         record = _cached(library)
-        if record is not None:
-            objects[name] = (library, record)
-            tick("compile", 1)
-        else:
-            to_compile[name] = (source, library)
+        if record is None:
+            record = _store(library, lambda staged: {"ptxas": nvcc_step.compile_library(tools["nvcc_path"], source, staged, archs)})
+            compiled.append(name)
+        objects[name] = (library, record)
+        tick("compile", 1)
 
-    def compile_one(name: str):
-        source, library = to_compile[name]
-        return name, library, _store(library, lambda staged: {"ptxas": nvcc_step.compile_library(tools["nvcc_path"], source, staged, archs)})
+    # One pipeline, not two phases: a library goes to nvcc as soon as it is lowered, the
+    # largest are lowered first (nvcc's time grows with the library), and torch_ops.so
+    # compiles beside them, so no core idles through a phase's tail. The cold default build
+    # on the 2-core CI machine: 4 min 30 s in two phases, 4 min 20 s so (docs/perf.md, build
+    # time); the rest is CPU time, ~7.5 min of it.
+    ffi_exports = dynamic_symbols(installed_libtvm_ffi())[0]  # the libtvm_ffi.so that nvcc links against
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as compile_pool:
+        torch_ops_future = compile_pool.submit(build_torch_ops, cache_dir, tools, ffi_exports)
+        compiles = [compile_pool.submit(compile_one, name) for name in sorted(sources)]
+        if to_lower:
+            context = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(to_lower))), mp_context=context) as pool:
+                largest_first = sorted(to_lower, key=lambda name: (-len(to_lower[name][1]), name))
+                futures = {pool.submit(_lower_library, to_lower[name][1], tools["target_archs"], tools["pdl"]): name for name in largest_first}
+                for future in concurrent.futures.as_completed(futures):
+                    name = futures[future]
+                    cached, variants = to_lower[name]
+                    source = future.result().encode()
+                    record = _store(cached, lambda staged: staged.write_bytes(source) and None)
+                    sources[name] = (cached, record["sha256"])
+                    tick("lower", len(variants))
+                    compiles.append(compile_pool.submit(compile_one, name))
+        for future in compiles:
+            future.result()
+        torch_ops, torch_ops_entry = torch_ops_future.result()
 
-    if to_compile:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            for name, library, record in pool.map(compile_one, sorted(to_compile)):
-                objects[name] = (library, record)
-                tick("compile", 1)
-
-    ffi_exports = dynamic_symbols(installed_libtvm_ffi())[0]  # the libtvm_ffi.so that nvcc linked against
-    torch_ops, torch_ops_entry = build_torch_ops(cache_dir, tools, ffi_exports)
     manifest = {**_manifest(libraries, sources, objects, tools, fingerprint, ffi_exports, kernel_digest), "torch_ops": torch_ops_entry, **(extra or {})}
     files = {TORCH_OPS_LIBRARY: (torch_ops, torch_ops_entry["sha256"]), TORCH_OPS_SOURCE.name: (TORCH_OPS_SOURCE, torch_ops_entry["source_sha256"])}
     for name in libraries:
@@ -417,7 +422,7 @@ def build_libraries(
         variants=sum(len(v) for v in libraries.values()),
         libraries=len(libraries),
         lowered=len(to_lower),
-        compiled=len(to_compile),
+        compiled=len(compiled),
         published=published,
         seconds=time.time() - started,
     )

@@ -489,13 +489,16 @@ def test_fp16_values_near_its_max_do_not_overflow_and_quantize_as_any_row():
 @pytest.mark.parametrize("argv, message", [
     (["self-check", "--hidden", "100"], r"--hidden: hidden=100 is not divisible"),
     (["bench"], r"sees no CUDA device"),
+    (["bench", "--formats", "col:fp32:fp16"], r"--formats=col:fp32:fp16: 'col:fp32:fp16' is not layout:format or layout:format:wf32"),
+    (["bench", "--formats", "row:fp32,diagonal:fp32"], r"--formats=row:fp32,diagonal:fp32: layout='diagonal'"),
+    (["bench", "--dtype", "fp32", "--formats", "col:fp32:wf32"], r"weight_dtype='fp32' is for a bf16 or fp16 norm"),
 ])
 def test_cli_misuse_exits_2_with_one_line(argv, message):
     import re
     import subprocess
     import sys
 
-    if argv[0] == "bench" and torch.cuda.is_available():
+    if argv == ["bench"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     result = subprocess.run([sys.executable, "-m", "tvm_rmsquant", *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr

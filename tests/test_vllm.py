@@ -20,7 +20,6 @@ only on CUDA.
 from __future__ import annotations
 
 import os
-from unittest import mock
 
 import pytest
 import torch

@@ -361,14 +361,15 @@ SLOW_PROVIDERS = ("torch_eager", "torch_compile")
 
 
 def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, out: Path, slow_rows=None) -> List[Point]:
-    """Every point of the grid for each of ``providers`` (``providers_by_name``)."""
+    """Every point of the grid for each of ``providers`` (``providers_by_name``); ``formats``
+    are (layout, format, weight_dtype) triples, weight_dtype None or "fp32"."""
     ceiling = copy_ceiling()
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s", flush=True)
     points = []
     for hidden in hidden_sizes:
         for residual in (False, True):
-            for layout, fmt in formats:
-                spec = VariantSpec(dtype, hidden, 128, residual, layout, fmt)
+            for layout, fmt, weight_dtype in formats:
+                spec = VariantSpec(dtype, hidden, 128, residual, layout, fmt, weight_dtype=weight_dtype)
                 for rows in rows_list:
                     for provider in providers:
                         if slow_rows is not None and provider.name in SLOW_PROVIDERS and rows not in slow_rows:

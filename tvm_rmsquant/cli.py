@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=_parse_hidden, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
     bench.add_argument("--providers", default="ours,torch_eager", help="comma-separated: ours, torch_eager, torch_compile, triton, flashinfer "
                        "(python3 scripts/build_flashinfer_peer.py builds it)")
-    bench.add_argument("--formats", default="row:fp32,col:fp32,col:ue8m0", help="layout:format pairs")
+    bench.add_argument("--formats", default="row:fp32,col:fp32,col:ue8m0",
+                       help="layout:format pairs; layout:format:wf32 takes an fp32 norm weight (16-bit --dtype only)")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     bench.add_argument("--slow-rows", type=_parse_hidden, help="M values at which torch_eager/torch_compile run (default: all)")
     bench.add_argument("--overhead", action="store_true", help="also measure eager host overhead against torch.add")
@@ -237,16 +238,38 @@ def _inspect(args) -> int:
     return 0
 
 
+def _bench_formats(text: str, dtype: str):
+    """``--formats`` as (layout, format, weight_dtype) triples, each checked against the spec;
+    None after a one-line error."""
+    from .spec import VariantSpec
+
+    formats = []
+    for item in text.split(","):
+        layout, fmt, *weight = item.split(":")
+        if weight not in ([], ["wf32"]):
+            print(f"error: --formats={text}: {item!r} is not layout:format or layout:format:wf32", file=sys.stderr)
+            return None
+        weight_dtype = "fp32" if weight else None
+        try:
+            VariantSpec(dtype, None, 128, False, layout, fmt, weight_dtype=weight_dtype)
+        except ValueError as error:
+            print(f"error: --formats={text}: {error}", file=sys.stderr)
+            return None
+        formats.append((layout, fmt, weight_dtype))
+    return formats
+
+
 def _bench(args) -> int:
     import torch
 
     from .bench import providers_by_name, run_benchmark
 
+    formats = _bench_formats(args.formats, args.dtype)
+    if formats is None:
+        return 2
     if not torch.cuda.is_available():
         print(f"error: bench times CUDA kernels, and this torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
-
-    formats = [tuple(pair.split(":")) for pair in args.formats.split(",")]
     bundle = _open(args.bundle)
     try:
         providers = providers_by_name(args.providers.split(","), bundle)
