@@ -489,6 +489,7 @@ def test_fp16_values_near_its_max_do_not_overflow_and_quantize_as_any_row():
 @pytest.mark.parametrize("argv, message", [
     (["self-check", "--hidden", "100"], r"--hidden: hidden=100 is not divisible"),
     (["bench"], r"sees no CUDA device"),
+    (["bench", "--formats", "col"], r"--formats=col: 'col' is not layout:format or layout:format:wf32"),
     (["bench", "--formats", "col:fp32:fp16"], r"--formats=col:fp32:fp16: 'col:fp32:fp16' is not layout:format or layout:format:wf32"),
     (["bench", "--formats", "row:fp32,diagonal:fp32"], r"--formats=row:fp32,diagonal:fp32: layout='diagonal'"),
     (["bench", "--dtype", "fp32", "--formats", "col:fp32:wf32"], r"weight_dtype='fp32' is for a bf16 or fp16 norm"),

@@ -360,6 +360,15 @@ def host_overhead(bundle, calls: int = 2000, rounds: int = 7) -> Dict[str, float
 SLOW_PROVIDERS = ("torch_eager", "torch_compile")
 
 
+#: The grid's group size: G = 128, the group of block-FP8 checkpoints (DeepSeek-V3, Qwen3 FP8).
+GRID_GROUP = 128
+
+
+def grid_spec(dtype: str, hidden: Optional[int], residual: bool, layout: str, fmt: str, weight_dtype: Optional[str]) -> VariantSpec:
+    """The spec of one grid point; the CLI checks ``--formats`` with it before any GPU work."""
+    return VariantSpec(dtype, hidden, GRID_GROUP, residual, layout, fmt, weight_dtype=weight_dtype)
+
+
 def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, out: Path, slow_rows=None) -> List[Point]:
     """Every point of the grid for each of ``providers`` (``providers_by_name``); ``formats``
     are (layout, format, weight_dtype) triples, weight_dtype None or "fp32"."""
@@ -369,7 +378,7 @@ def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, ou
     for hidden in hidden_sizes:
         for residual in (False, True):
             for layout, fmt, weight_dtype in formats:
-                spec = VariantSpec(dtype, hidden, 128, residual, layout, fmt, weight_dtype=weight_dtype)
+                spec = grid_spec(dtype, hidden, residual, layout, fmt, weight_dtype)
                 for rows in rows_list:
                     for provider in providers:
                         if slow_rows is not None and provider.name in SLOW_PROVIDERS and rows not in slow_rows:

@@ -239,19 +239,19 @@ def _inspect(args) -> int:
 
 
 def _bench_formats(text: str, dtype: str):
-    """``--formats`` as (layout, format, weight_dtype) triples, each checked against the spec;
-    None after a one-line error."""
-    from .spec import VariantSpec
+    """``--formats`` as (layout, format, weight_dtype) triples, each checked as the grid's spec
+    (``bench.grid_spec``); None after a one-line error."""
+    from .bench import grid_spec
 
     formats = []
     for item in text.split(","):
-        layout, fmt, *weight = item.split(":")
-        if weight not in ([], ["wf32"]):
+        fields = item.split(":")
+        if len(fields) not in (2, 3) or fields[2:] not in ([], ["wf32"]):
             print(f"error: --formats={text}: {item!r} is not layout:format or layout:format:wf32", file=sys.stderr)
             return None
-        weight_dtype = "fp32" if weight else None
+        layout, fmt, weight_dtype = fields[0], fields[1], "fp32" if len(fields) == 3 else None
         try:
-            VariantSpec(dtype, None, 128, False, layout, fmt, weight_dtype=weight_dtype)
+            grid_spec(dtype, None, False, layout, fmt, weight_dtype)
         except ValueError as error:
             print(f"error: --formats={text}: {error}", file=sys.stderr)
             return None
