@@ -127,7 +127,7 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def remembered_kernel_digests(cache_dir: Path, tools: Dict) -> Callable[[VariantSpec, str, Dict[str, int]], str]:
+class KernelDigests:
     """``lower.kernel_digest``, remembered in the cache per code fingerprint and toolchain.
 
     Every build keys its lowering cache on each kernel's digest, and the tuning database
@@ -135,29 +135,44 @@ def remembered_kernel_digests(cache_dir: Path, tools: Dict) -> Callable[[Variant
     records alone took 2.5 s of a 5.7 s no-change rebuild. The key is all the code that may
     decide a kernel and the toolchain (not PDL, which changes the launch, not the scheduled TIR
     a digest hashes); an unreadable or partial file is recomputed, and it is rewritten whole
-    (atomically) when it grows.
+    (atomically) when it grows. Calling it computes a digest it lacks; the build's lowering
+    workers compute theirs beside the source and hand them over with ``learn``.
     """
-    deciding = {name: value for name, value in tools.items() if name != "pdl"}
-    key = sha256_bytes(json.dumps({"code": code_fingerprint(), "tools": deciding}, sort_keys=True).encode())[:16]
-    target = scheduling_target(tools["target_archs"])
-    path = cache_dir / "digests" / f"{key}.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict) or not all(isinstance(value, str) for value in known.values()):
-        known = {}
 
-    def digest(spec: VariantSpec, rule: str, knobs: Dict[str, int]) -> str:
-        name = f"{spec.name}|{rule}|{json.dumps(knobs, sort_keys=True)}"
-        if name not in known:
+    def __init__(self, cache_dir: Path, tools: Dict):
+        deciding = {name: value for name, value in tools.items() if name != "pdl"}
+        key = sha256_bytes(json.dumps({"code": code_fingerprint(), "tools": deciding}, sort_keys=True).encode())[:16]
+        self._target = scheduling_target(tools["target_archs"])
+        self._path = cache_dir / "digests" / f"{key}.json"
+        try:
+            known = json.loads(self._path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if not isinstance(known, dict) or not all(isinstance(value, str) for value in known.values()):
+            known = {}
+        self._known: Dict[str, str] = known
+
+    @staticmethod
+    def name(spec: VariantSpec, rule: str, knobs: Dict[str, int]) -> str:
+        return f"{spec.name}|{rule}|{json.dumps(knobs, sort_keys=True)}"
+
+    def known(self, spec: VariantSpec, rule: str, knobs: Dict[str, int]) -> Optional[str]:
+        return self._known.get(self.name(spec, rule, knobs))
+
+    def learn(self, digests: Dict[str, str]) -> None:
+        """Remember ``digests`` (``name`` -> digest), computed elsewhere by ``lower.kernel_digest``."""
+        if any(self._known.get(name) != digest for name, digest in digests.items()):
+            self._known.update(digests)
+            _atomic_write(self._path, json.dumps(self._known, sort_keys=True).encode())
+
+    def __call__(self, spec: VariantSpec, rule: str, knobs: Dict[str, int]) -> str:
+        digest = self.known(spec, rule, knobs)
+        if digest is None:
             from .lower import kernel_digest
 
-            known[name] = kernel_digest(spec, rule, knobs, target)
-            _atomic_write(path, json.dumps(known, sort_keys=True).encode())
-        return known[name]
-
-    return digest
+            digest = kernel_digest(spec, rule, knobs, self._target)
+            self.learn({self.name(spec, rule, knobs): digest})
+        return digest
 
 
 def toolchain(archs: Sequence[str] = DEFAULT_ARCHS, pdl: bool = True) -> Dict:
@@ -304,11 +319,29 @@ def _store(artifact: Path, make: Callable[[Path], Optional[Dict]]) -> Dict:
     return record
 
 
-def _lower_library(variants: List[PlannedVariant], archs: Sequence[str], pdl: bool) -> str:
-    """Worker entry point: lower one library (imports TVM in the worker)."""
+def _lower_library(variants: List[PlannedVariant], tools: Dict, cache_dir: Path, reuse: bool = True) -> Tuple[Dict[str, str], str, Optional[str]]:
+    """Worker entry point (imports TVM in the worker): the library's kernel digests
+    (``KernelDigests.name`` -> digest), its lowering key, and its CUDA source, or None when
+    ``reuse`` and the lowering cache holds that key already.
+
+    Each kernel is scheduled once, for its digest and its source alike. Before, the main
+    process scheduled all 411 kernels of a cold default build for their digests on one core
+    (38 s here) while the other idled, and then the workers scheduled them again.
+    """
     from tvm_rmsquant.codegen import lower
 
-    return lower.cuda_source([variant.as_lowering_input() for variant in variants], archs, pdl)
+    target = scheduling_target(tools["target_archs"])
+    lowering = [variant.as_lowering_input() for variant in variants]
+    digests = {KernelDigests.name(spec, rule, knobs): lower.kernel_digest(spec, rule, knobs, target) for spec, rule, knobs, _, _ in lowering}
+    key = lowering_key(variants, tools, lambda spec, rule, knobs: digests[KernelDigests.name(spec, rule, knobs)])
+    if reuse and _cached(_lowered(cache_dir, key)) is not None:
+        return digests, key, None
+    return digests, key, lower.cuda_source(lowering, tools["target_archs"], tools["pdl"])
+
+
+def _lowered(cache_dir: Path, key: str) -> Path:
+    """The lowering cache's entry of a library's key."""
+    return cache_dir / "lowered" / f"{key}.cu"
 
 
 # -- build ------------------------------------------------------------------------------------
@@ -360,20 +393,22 @@ def build_libraries(
     tick = progress or (lambda stage, count: None)
     tools = toolchain(archs, pdl)
     fingerprint = code_fingerprint()
-    kernel_digest = remembered_kernel_digests(cache_dir, tools)
+    kernel_digest = KernelDigests(cache_dir, tools)
 
     sources: Dict[str, Tuple[Path, str]] = {}
-    to_lower = {}
+    to_lower: Dict[str, List[PlannedVariant]] = {}  # by the workers, which schedule each kernel once for digest and source
     for name, variants in libraries.items():
-        cached = cache_dir / "lowered" / f"{lowering_key(variants, tools, kernel_digest)}.cu"
-        record = _cached(cached)
-        if record is not None:
-            sources[name] = (cached, record["sha256"])
-            tick("lower", len(variants))
-        else:
-            to_lower[name] = (cached, variants)
+        if all(kernel_digest.known(variant.spec, variant.rule, dict(variant.knobs)) for variant in variants):
+            cached = _lowered(cache_dir, lowering_key(variants, tools, kernel_digest))
+            record = _cached(cached)
+            if record is not None:
+                sources[name] = (cached, record["sha256"])
+                tick("lower", len(variants))
+                continue
+        to_lower[name] = variants
 
     objects: Dict[str, Tuple[Path, Dict]] = {}
+    lowered: List[str] = []
     compiled: List[str] = []
 
     def compile_one(name: str) -> None:
@@ -388,9 +423,8 @@ def build_libraries(
 
     # One pipeline, not two phases: a library goes to nvcc as soon as it is lowered, the
     # largest are lowered first (nvcc's time grows with the library), and torch_ops.so
-    # compiles beside them, so no core idles through a phase's tail. The cold default build
-    # on the 2-core CI machine: 4 min 30 s in two phases, 4 min 20 s so (docs/perf.md, build
-    # time); the rest is CPU time, ~7.5 min of it.
+    # compiles beside them, so no core idles through a phase's tail (4 min 30 s in two phases,
+    # 4 min 20 s so, on one machine; docs/perf.md, build time).
     ffi_exports = dynamic_symbols(installed_libtvm_ffi())[0]  # the libtvm_ffi.so that nvcc links against
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as compile_pool:
         torch_ops_future = compile_pool.submit(build_torch_ops, cache_dir, tools, ffi_exports)
@@ -398,15 +432,24 @@ def build_libraries(
         if to_lower:
             context = multiprocessing.get_context("spawn")
             with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(to_lower))), mp_context=context) as pool:
-                largest_first = sorted(to_lower, key=lambda name: (-len(to_lower[name][1]), name))
-                futures = {pool.submit(_lower_library, to_lower[name][1], tools["target_archs"], tools["pdl"]): name for name in largest_first}
-                for future in concurrent.futures.as_completed(futures):
-                    name = futures[future]
-                    cached, variants = to_lower[name]
-                    source = future.result().encode()
-                    record = _store(cached, lambda staged: staged.write_bytes(source) and None)
+                largest_first = sorted(to_lower, key=lambda name: (-len(to_lower[name]), name))
+                futures = {pool.submit(_lower_library, to_lower[name], tools, cache_dir): name for name in largest_first}
+                while futures:
+                    future = next(concurrent.futures.as_completed(futures))
+                    name = futures.pop(future)
+                    digests, key, source = future.result()
+                    kernel_digest.learn(digests)
+                    cached = _lowered(cache_dir, key)
+                    if source is None:
+                        record = _cached(cached)
+                        if record is None:  # the entry the worker found is gone or damaged since: lower it after all
+                            futures[pool.submit(_lower_library, to_lower[name], tools, cache_dir, False)] = name
+                            continue
+                    else:
+                        record = _store(cached, lambda staged: staged.write_bytes(source.encode()) and None)
+                        lowered.append(name)
                     sources[name] = (cached, record["sha256"])
-                    tick("lower", len(variants))
+                    tick("lower", len(to_lower[name]))
                     compiles.append(compile_pool.submit(compile_one, name))
         for future in compiles:
             future.result()
@@ -421,7 +464,7 @@ def build_libraries(
         bundle=out_dir,
         variants=sum(len(v) for v in libraries.values()),
         libraries=len(libraries),
-        lowered=len(to_lower),
+        lowered=len(lowered),
         compiled=len(compiled),
         published=published,
         seconds=time.time() - started,

@@ -211,3 +211,26 @@ def test_portable_bf16_rounding_matches_torch():
 def test_cpu_kernels_are_cached_per_spec():
     spec = VariantSpec("bf16", 128, 128)
     assert cpu.function(spec) is cpu.function(spec)
+
+
+@pytest.mark.parametrize("name", ["bf16_k4096_g128_res_col_fp32", "fp16_kdyn_g128_col_ue8m0", "bf16_k7168_g128_res_col_ue8m0_packed"])
+def test_column_layout_function_is_what_its_tvmscript_says(name):
+    """The column layouts' strided scale parameter is made structurally, not by a TVMScript round
+    trip, and must still be the function its text parses to: kernel digests hash that text, and
+    the names the CUDA source keeps are the printer's (the rows' loops ``m_1``, the let-bound
+    ``r_1`` beside the residual ``r``, the outer of two nested ``s``)."""
+    import tvm_ffi
+
+    func = expr.prim_func(VariantSpec.parse(name))
+    parsed = tvm.script.from_source(func.script())
+    assert func.script() == parsed.script()
+    assert tvm_ffi.structural_equal(func, parsed, map_free_vars=True)
+
+    def names(function):
+        seen = []
+        tvm_ffi.structural_walk(function.body, [(tvm.tirx.Var, lambda var: seen.append(var.name))], order="pre")
+        return seen
+
+    assert names(func) == names(parsed)
+    scale = func.params[-1 if not VariantSpec.parse(name).residual else -2]
+    assert [str(stride) for stride in scale.ty.strides] == ["T.int64(1)", expr.PADDED_ROWS]

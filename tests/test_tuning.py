@@ -420,13 +420,13 @@ def test_the_build_remembers_kernel_digests_per_code_and_toolchain(tmp_path, too
     rule, knobs = default_schedule(spec, SCHEDULING)
     tools = {"apache-tvm": "x", "nvcc": "y", "target_archs": list(DEFAULT_ARCHS)}
     want = lower.kernel_digest(spec, rule, knobs, SCHEDULING)
-    assert builder.remembered_kernel_digests(tmp_path, tools)(spec, rule, knobs) == want
+    assert builder.KernelDigests(tmp_path, tools)(spec, rule, knobs) == want
     (stored,) = (tmp_path / "digests").iterdir()
     with monkeypatch.context() as patch:
         patch.setattr(lower, "kernel_digest", lambda *args: pytest.fail("scheduled again"))
-        assert builder.remembered_kernel_digests(tmp_path, tools)(spec, rule, knobs) == want
+        assert builder.KernelDigests(tmp_path, tools)(spec, rule, knobs) == want
     stored.write_text('{"truncated')
-    assert builder.remembered_kernel_digests(tmp_path, tools)(spec, rule, knobs) == want
+    assert builder.KernelDigests(tmp_path, tools)(spec, rule, knobs) == want
     assert json.loads(stored.read_text()) == {f"{spec.name}|{rule}|{json.dumps(knobs, sort_keys=True)}": want}
-    builder.remembered_kernel_digests(tmp_path, {**tools, "nvcc": "z"})(spec, rule, knobs)
+    builder.KernelDigests(tmp_path, {**tools, "nvcc": "z"})(spec, rule, knobs)
     assert len(list((tmp_path / "digests").iterdir())) == 2

@@ -186,7 +186,7 @@ def _build(args) -> int:
             return 2
         tools = builder.toolchain(args.arch, not args.no_pdl)
         target = build_target(tools, schedule_target.capability, args.tuning_gpu)
-        kernel_digest = builder.remembered_kernel_digests(cache, tools)
+        kernel_digest = builder.KernelDigests(cache, tools)
         tuned, rejected = database.for_build(target, {spec.name for spec in specs}, kernel_digest)
         print(f"tuning database {path}: {len(tuned.records)} records used, {len(rejected)} rejected")
         for reason in rejected:
