@@ -6,7 +6,7 @@ A pipeline of plain steps:
     lower       library -> CUDA C++ source        cached on the inputs' content and the archs
     compile     source -> .so + ptxas figures     cached on the source, toolchain and archs (one
                                                   nvcc call, SASS for every arch of the build)
-    torch ops   torch_ops.cpp -> torch_ops.so     cached on the source, toolchain and torch
+    torch ops   torch_ops.cpp -> torch_ops.so     cached on the source, toolchain, torch and archs
     publish     stage a bundle, then switch ``CURRENT`` to it atomically
 
 Every cache entry has a record of its size and sha256 (``<key>.json``): an entry that no
@@ -474,13 +474,14 @@ def build_libraries(
 def build_torch_ops(cache_dir: Path, tools: Dict, ffi_exports) -> Tuple[Path, Dict]:
     """torch_ops.so from the compile cache or nvcc, and its manifest entry (``ffi_exports``: what
     the libtvm_ffi.so it links against exports, to record what it imports of it). Host code
-    only (torch_ops.cpp has no ``__global__``: it calls the kernel libraries' entry points), so
-    it holds no SASS and is the same library for every arch list."""
+    only (torch_ops.cpp has no ``__global__``: it calls the kernel libraries' entry points);
+    linked for the bundle's archs (``nvcc.torch_ops_flags``), so its empty device module is theirs."""
     import torch
 
+    archs = tools["target_archs"]
     source_sha = sha256_file(TORCH_OPS_SOURCE)
-    library = cache_dir / "compiled" / f"{compile_key(source_sha, tools, nvcc_step.TORCH_OPS_FLAGS, torch=torch.__version__)}.so"
-    record = _cached(library) or _store(library, lambda staged: nvcc_step.compile_torch_ops(tools["nvcc_path"], TORCH_OPS_SOURCE, staged))
+    library = cache_dir / "compiled" / f"{compile_key(source_sha, tools, nvcc_step.torch_ops_flags(archs), torch=torch.__version__)}.so"
+    record = _cached(library) or _store(library, lambda staged: nvcc_step.compile_torch_ops(tools["nvcc_path"], TORCH_OPS_SOURCE, staged, archs))
     entry = {
         "library": TORCH_OPS_LIBRARY,
         "sha256": record["sha256"],

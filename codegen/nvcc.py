@@ -98,19 +98,26 @@ def torch_paths() -> Dict[str, str]:
     return {"include": str(root / "include"), "libdir": str(root / "lib")}
 
 
-def torch_ops_command(nvcc: str, source: Path, library: Path) -> List[str]:
+def torch_ops_flags(archs: Sequence[str]) -> List[str]:
+    """TORCH_OPS_FLAGS and the archs' ``-gencode``s. torch_ops.cpp has no device code, but nvcc's
+    link step still embeds a device module (empty): for its default arch, sm_75, unless told the
+    bundle's, which is what ``cuobjdump --list-elf`` then shows beside the kernel libraries'."""
+    return [*TORCH_OPS_FLAGS, *(target.gencode for target in targets(archs))]
+
+
+def torch_ops_command(nvcc: str, source: Path, library: Path, archs: Sequence[str]) -> List[str]:
     """libtorch_cpu for the C shim; libtorch_cuda's stream getter is looked up at run time."""
     paths, torch_dirs = ffi_paths(), torch_paths()
     return [
-        nvcc, *TORCH_OPS_FLAGS,
+        nvcc, *torch_ops_flags(archs),
         f"-I{torch_dirs['include']}", f"-I{paths['include']}", f"-I{paths['dlpack']}",
         "-o", str(library), str(source),
         f"-L{paths['libdir']}", "-ltvm_ffi", f"-L{torch_dirs['libdir']}", "-ltorch_cpu", "-lcudart",
     ]
 
 
-def compile_torch_ops(nvcc: str, source: Path, library: Path) -> None:
-    _run(torch_ops_command(nvcc, source, library), source)
+def compile_torch_ops(nvcc: str, source: Path, library: Path, archs: Sequence[str]) -> None:
+    _run(torch_ops_command(nvcc, source, library, archs), source)
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")

@@ -1,7 +1,8 @@
 """GPU check of the bundle: every default-preset variant against the torch reference.
 
 Same bar as the CPU check (tvm_rmsquant.checks), on random data with outliers, at
-M in {1, 7, 64, 1000, 4096}; outputs are poisoned first so an unwritten element fails.
+M in {1, 7, 64, 200, 1000, 4096} (every M bucket's kernel: schedules.database.ROW_BUCKETS);
+outputs are poisoned first so an unwritten element fails.
 Each scale tensor's layout is checked too: strides, TMA alignment, powers of two, and
 the byte order of packed words.
 """
@@ -16,12 +17,17 @@ from tvm_rmsquant import launch, reference
 from tvm_rmsquant.checks import compare, random_inputs
 from tvm_rmsquant.presets import preset
 from tvm_rmsquant.scale_layout import TMA_ALIGN_ROWS, round_up
+from tvm_rmsquant.schedules.database import ROW_BUCKETS, bucket_of
 from tvm_rmsquant.spec import VariantSpec
 
 pytestmark = pytest.mark.gpu
 
-ROWS = (1, 7, 64, 1000, 4096)
+ROWS = (1, 7, 64, 200, 1000, 4096)
 DYNAMIC_HIDDEN = (2048, 5120)
+
+
+def test_the_rows_reach_every_m_bucket_kernel():
+    assert {bucket_of(rows) for rows in ROWS} == {max_rows for max_rows, _ in ROW_BUCKETS}
 
 
 def _cases():

@@ -61,13 +61,15 @@ def test_the_occupancy_knob_becomes_a_launch_bounds_hint():
 
 def _synthetic_costs(spec):
     """Smooth costs over the real space, one per M bucket: best at vector 8, 4 blocks/SM, and
-    1, 2 and 4 groups per thread for small, medium and large M."""
+    1, 2, 2 and 4 groups per thread from the smallest M bucket to the largest."""
     rule = rule_by_name(default_schedule(spec, SCHEDULING)[0])
+    best_groups = (1, 2, 2, 4)
+    assert len(best_groups) == len(ROW_BUCKETS)
 
     def cost(k, best_groups):
         return 10 * (1 + 0.2 * abs(math.log2(k["groups_per_thread"] / best_groups)) + 0.1 * (k["vector"] != 8) + 0.03 * abs(k["min_blocks_per_sm"] - 4) / 4)
 
-    return rule, {knob_key(k): tuple(cost(k, groups) for groups in (1, 2, 4)) for k in rule.candidates(spec, SCHEDULING)}
+    return rule, {knob_key(k): tuple(cost(k, groups) for groups in best_groups) for k in rule.candidates(spec, SCHEDULING)}
 
 
 def test_search_strategies_propose_distinct_valid_knobs_within_the_budget():
@@ -108,7 +110,7 @@ def test_replayed_strategies_start_from_the_same_hand_picked_schedule():
 
 
 def test_buckets_cover_every_m():
-    assert [bucket_of(m) for m in (1, 64, 65, 1024, 1025, 10**6)] == [64, 64, 1024, 1024, None, None]
+    assert [bucket_of(m) for m in (1, 64, 65, 256, 257, 1024, 1025, 10**6)] == [64, 64, 256, 256, 1024, 1024, None, None]
     assert ROW_BUCKETS[-1][0] is None
 
 
@@ -164,7 +166,7 @@ def test_the_database_refuses_ambiguous_picks_and_unknown_buckets_with_the_reaso
     # a bucket this code does not have is rejected, not listed as used
     tuned, rejected = TuningDatabase([_record(7, knobs), _record(64, knobs)]).for_build(BUILD)
     assert list(tuned.records) == [(SPEC.name, 64)]
-    assert rejected == [f"{SPEC.name} M<=7 on NVIDIA H200: max_rows=7 is not an M bucket of this code (ROW_BUCKETS: [64, 1024, None]); re-tune it"]
+    assert rejected == [f"{SPEC.name} M<=7 on NVIDIA H200: max_rows=7 is not an M bucket of this code (ROW_BUCKETS: [64, 256, 1024, None]); re-tune it"]
 
 
 @pytest.mark.parametrize("vector", [0, -8, "8"])
@@ -256,13 +258,13 @@ def test_record_keeps_the_fastest_per_bucket_and_never_one_slower_than_hand_pick
     assert all(r.knobs == default for r in tune.best_records(_results([(default, 1.0), (marginal, 0.97)])))
     results["candidates"][2]["dropped"] = "M=1: WRONG: codes identical 0.5"
     records = tune.best_records(results)
-    assert [(r.max_rows, r.knobs, r.kernel_digest) for r in records] == [(64, faster, f"{1:016x}"), (1024, faster, f"{1:016x}"), (None, faster, f"{1:016x}")]
+    assert [(r.max_rows, r.knobs, r.kernel_digest) for r in records] == [(max_rows, faster, f"{1:016x}") for max_rows, _ in ROW_BUCKETS]
     assert all(r.microseconds < r.default_microseconds for r in records)
     path = tmp_path / "db.json"
     database = tune.record(results, path)
-    assert len(TuningDatabase.load(path).records) == len(database.records) == 3
+    assert len(TuningDatabase.load(path).records) == len(database.records) == len(ROW_BUCKETS)
     # a later measurement of the same (spec, bucket, GPU) replaces the record
-    assert len(tune.record(_results([(default, 1.0)]), path).records) == 3
+    assert len(tune.record(_results([(default, 1.0)]), path).records) == len(ROW_BUCKETS)
     assert all(r.knobs == default for r in TuningDatabase.load(path).records)
 
 
@@ -282,7 +284,7 @@ def test_timing_noise_is_the_spread_of_one_kernel_timed_as_two():
     default = default_schedule(SPEC, SCHEDULING)[1]
     results = _results([(default, 1.0), ({**default, "min_blocks_per_sm": 2}, 1.04), ({**default, "groups_per_thread": 2}, 0.5)])
     noise = tune.timing_noise(results)
-    assert [(row["max_rows"], row["groups"], row["above_min_gain"]) for row in noise] == [(64, 1, 0), (1024, 1, 0), (None, 1, 0)]
+    assert [(row["max_rows"], row["groups"], row["above_min_gain"]) for row in noise] == [(max_rows, 1, 0) for max_rows, _ in ROW_BUCKETS]
     assert all(row["worst"] == pytest.approx(0.04) and row["worst_spec"] == SPEC.name for row in noise)
     results["candidates"][1]["ptxas"] = {"registers": 40}  # ptxas used the hint: another kernel, not noise
     assert tune.timing_noise(results) == []
