@@ -31,7 +31,7 @@ SCHEMA_VERSION = 2
 #: The database committed with the package; the build reads it unless told otherwise.
 DEFAULT_DATABASE = Path(__file__).with_name("tuning_db.json")
 #: M buckets as (max_rows, the M values timed for it); the last takes every larger M. A bucket
-#: is timed at the ends of its range. 64 < M <= 256 (up to two rows per SM on 132 SMs) has its
+#: is timed at the ends of its range (the first also at 16). 64 < M <= 256 (up to two rows per SM on 132 SMs) has its
 #: own kernel because one kernel for 64 < M <= 1024, scored on M = 256 and 1024 together, took
 #: the large-M schedule (4 groups per thread) where the M = 256 time wanted 2: in the committed
 #: runs (docs/tuning/) a schedule beats the hand-picked one on (64, 256) by 5.2-9.4 % in 9 of
