@@ -75,9 +75,14 @@ def ffi_paths() -> Dict[str, str]:
     }
 
 
+def gencodes(archs: Sequence[str]) -> List[str]:
+    """One ``-gencode`` per arch, from the target module."""
+    return [target.gencode for target in targets(archs)]
+
+
 def kernel_flags(archs: Sequence[str]) -> List[str]:
     """NVCC_FLAGS and one ``-gencode`` per arch: one call embeds every arch's SASS in the library."""
-    return [*NVCC_FLAGS, *(target.gencode for target in targets(archs))]
+    return [*NVCC_FLAGS, *gencodes(archs)]
 
 
 def compile_command(nvcc: str, source: Path, library: Path, archs: Sequence[str]) -> List[str]:
@@ -102,7 +107,7 @@ def torch_ops_flags(archs: Sequence[str]) -> List[str]:
     """TORCH_OPS_FLAGS and the archs' ``-gencode``s. torch_ops.cpp has no device code, but nvcc's
     link step still embeds a device module (empty): for its default arch, sm_75, unless told the
     bundle's, which is what ``cuobjdump --list-elf`` then shows beside the kernel libraries'."""
-    return [*TORCH_OPS_FLAGS, *(target.gencode for target in targets(archs))]
+    return [*TORCH_OPS_FLAGS, *gencodes(archs)]
 
 
 def torch_ops_command(nvcc: str, source: Path, library: Path, archs: Sequence[str]) -> List[str]:

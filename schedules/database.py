@@ -31,14 +31,15 @@ SCHEMA_VERSION = 2
 #: The database committed with the package; the build reads it unless told otherwise.
 DEFAULT_DATABASE = Path(__file__).with_name("tuning_db.json")
 #: M buckets as (max_rows, the M values timed for it); the last takes every larger M. A bucket
-#: is timed at the ends of its range (the first also at 16). 64 < M <= 256 (up to two rows per SM on 132 SMs) has its
-#: own kernel because one kernel for 64 < M <= 1024, scored on M = 256 and 1024 together, took
-#: the large-M schedule (4 groups per thread) where the M = 256 time wanted 2: in the committed
-#: runs (docs/tuning/) a schedule beats the hand-picked one on (64, 256) by 5.2-9.4 % in 9 of
-#: 12 specs on the H200 and by 5.8-10.6 % at K = 2048, 4096 and 5120 on the H100, above those
-#: runs' noise in this bucket (worst 2.9 % and 1.2 %, ``tune.timing_noise``). At K = 4096,
-#: M = 256 on the H100 (2026-12-06, two runs) FlashInfer's fused kernel took 4.84 us, between
-#: the two schedules: 4.43 (2 groups per thread) and 4.91 (4).
+#: is timed at the ends of its range (the first also at 16). 64 < M <= 256 (up to two rows per
+#: SM on 132 SMs) has its own kernel because one kernel for 64 < M <= 1024, scored on M = 256
+#: and 1024 together, took the large-M schedule (4 groups per thread) where the M = 256 time
+#: wanted 2: in the committed runs (docs/tuning/) a schedule beats the hand-picked one on (64,
+#: 256) by 5.2-9.4 % in 9 of 12 specs on the H200 and by 5.8-10.6 % at K = 2048, 4096 and 5120
+#: on the H100, above those runs' noise in this bucket (worst 2.9 % and 1.2 %,
+#: ``tune.timing_noise``). At K = 4096, M = 256 on the H100 (2026-12-06, two runs) FlashInfer's
+#: fused kernel took 4.84 us, between the two schedules: 4.43 (2 groups per thread) and 4.91
+#: (4).
 ROW_BUCKETS: Tuple[Tuple[Optional[int], Tuple[int, ...]], ...] = (
     (64, (1, 16, 64)), (256, (64, 256)), (1024, (256, 1024)), (None, (4096, 16384)))
 #: Target fields that must equal the build's for a record to be used.

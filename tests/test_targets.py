@@ -73,6 +73,12 @@ def _cuobjdump() -> str:
     return found
 
 
+def _elf_archs(library: Path) -> set:
+    """The archs of the device modules ``cuobjdump --list-elf`` lists in ``library``."""
+    listing = subprocess.run([_cuobjdump(), "--list-elf", str(library)], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"\.(sm_\w+)\.cubin", listing))
+
+
 def test_every_library_of_a_default_build_holds_sass_for_each_arch(bundles):
     from tvm_rmsquant.loader import Bundle
 
@@ -80,14 +86,12 @@ def test_every_library_of_a_default_build_holds_sass_for_each_arch(bundles):
     assert bundle.target_archs == list(DEFAULT_ARCHS)
     # torch_ops.so has no kernels, but nvcc links a device module into it: the bundle's archs, not nvcc's default sm_75
     for library in [*bundle.manifest["libraries"], bundle.manifest["torch_ops"]["library"]]:
-        listing = subprocess.run([_cuobjdump(), "--list-elf", str(bundle.path / library)], capture_output=True, text=True, check=True).stdout
-        assert set(re.findall(r"\.(sm_\w+)\.cubin", listing)) == set(DEFAULT_ARCHS), (library, listing)
+        assert _elf_archs(bundle.path / library) == set(DEFAULT_ARCHS), library
     for entry in bundle.manifest["variants"].values():
         assert sorted(entry["ptxas"]) == sorted(DEFAULT_ARCHS) and all(figures["registers"] > 0 for figures in entry["ptxas"].values())
     hopper = Bundle(bundles[1])
     for library in (next(iter(hopper.manifest["libraries"])), hopper.manifest["torch_ops"]["library"]):
-        listing = subprocess.run([_cuobjdump(), "--list-elf", str(hopper.path / library)], capture_output=True, text=True, check=True).stdout
-        assert set(re.findall(r"\.(sm_\w+)\.cubin", listing)) == {"sm_90a"}, (library, listing)
+        assert _elf_archs(hopper.path / library) == {"sm_90a"}, library
 
 
 @pytest.fixture

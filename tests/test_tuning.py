@@ -63,13 +63,13 @@ def _synthetic_costs(spec):
     """Smooth costs over the real space, one per M bucket: best at vector 8, 4 blocks/SM, and
     1, 2, 2 and 4 groups per thread from the smallest M bucket to the largest."""
     rule = rule_by_name(default_schedule(spec, SCHEDULING)[0])
-    best_groups = (1, 2, 2, 4)
-    assert len(best_groups) == len(ROW_BUCKETS)
+    best_per_bucket = (1, 2, 2, 4)
+    assert len(best_per_bucket) == len(ROW_BUCKETS)
 
     def cost(k, best_groups):
         return 10 * (1 + 0.2 * abs(math.log2(k["groups_per_thread"] / best_groups)) + 0.1 * (k["vector"] != 8) + 0.03 * abs(k["min_blocks_per_sm"] - 4) / 4)
 
-    return rule, {knob_key(k): tuple(cost(k, groups) for groups in best_groups) for k in rule.candidates(spec, SCHEDULING)}
+    return rule, {knob_key(k): tuple(cost(k, groups) for groups in best_per_bucket) for k in rule.candidates(spec, SCHEDULING)}
 
 
 def test_search_strategies_propose_distinct_valid_knobs_within_the_budget():
