@@ -232,7 +232,9 @@ def plan_candidates(candidates: Dict[VariantSpec, List[Tuple[str, Dict[str, int]
 def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], kernel_digest) -> str:
     """The lowering cache's key of one library: what its source is made of. Each kernel's
     scheduled TIR and knobs (``kernel_digest``), its symbol, the generated entry points, the
-    TVM pass configuration, target archs and PDL, and the toolchain versions."""
+    TVM pass configuration, target archs and PDL, the code that lowers (``lower.py``, which
+    also edits the scheduled TIR, for PDL and occupancy) and the toolchain versions."""
+    from . import lower
     from .lower import PASS_CONFIG, entry_points
 
     lowering = [variant.as_lowering_input() for variant in variants]
@@ -244,6 +246,7 @@ def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], kernel_d
         "tvm_ffi": tools["apache-tvm-ffi"],
         "archs": tools["target_archs"],
         "pdl": tools["pdl"],
+        "lowering_code": sha256_file(Path(lower.__file__)),
     }
     return sha256_bytes(json.dumps(payload, sort_keys=True).encode())
 

@@ -48,25 +48,34 @@ def _kernel_sources(bundle_root):
 
 def test_every_kernel_launches_with_pdl_and_waits_before_its_first_read(built, tmp_path):
     """Programmatic dependent launch (on by default): the launcher sets the stream-serialization
-    attribute and the kernel's first statement waits on the grids it depends on. ``--no-pdl``
-    (``pdl=False``) builds neither, from its own lowering cache entry."""
+    attribute, and the kernel waits on the grids it depends on before it reads anything but the
+    norm weight, which it may read first. ``--no-pdl`` (``pdl=False``) builds neither, from its
+    own lowering cache entry."""
     import re
 
-    from tvm_rmsquant.codegen.lower import GRID_DEPENDENCY
+    from tvm_rmsquant.codegen.lower import GRID_DEPENDENCY, GRID_DEPENDENCY_SOURCE
 
+    early_weights = 0
     for source in _kernel_sources(built[0] / "bundle"):
-        kernels = re.findall(r"__global__ void __launch_bounds__\([\d, ]+\) (\w+)\([^;{]*\)\s*\{\n", source)
+        assert source.startswith(GRID_DEPENDENCY_SOURCE)
+        kernels = re.findall(r"__global__ void __launch_bounds__\([\d, ]+\) (\w+)\(([^;{]*)\)\s*\{\n", source)
         assert kernels
-        for kernel in kernels:
+        for kernel, params in kernels:
             body = source[source.index(f"{kernel}(", source.index("__launch_bounds__")) :]
-            assert body[body.index("{\n") + 2 :].startswith(GRID_DEPENDENCY), kernel
+            body = body[body.index("{\n") + 2 :]
+            before = body[: body.index(f"  {GRID_DEPENDENCY}();\n")]
+            pointers = re.findall(r"\* __restrict__ (\w+)", params)
+            read = {name for name in pointers if re.search(rf"\b{name}\b", before)}
+            assert read <= {"weight_ptr"}, (kernel, read)
+            early_weights += read == {"weight_ptr"}
         assert source.count("cudaLaunchAttributeProgrammaticStreamSerialization") == len(kernels)
+    assert early_weights, "no kernel loads its norm weight before the wait"
     report = builder.build(SPECS[:1], tmp_path / "bundle", jobs=1, cache_dir=built[0] / "cache", pdl=False)
     assert report.lowered == 1 and Bundle(tmp_path / "bundle").manifest["toolchain"]["pdl"] is False
     # PDL changes the launch, not the scheduled TIR: both builds share one memo of kernel digests.
     assert len(list((built[0] / "cache" / "digests").glob("*.json"))) == 1
     for source in _kernel_sources(tmp_path / "bundle"):
-        assert "griddepcontrol" not in source and "ProgrammaticStreamSerialization" not in source
+        assert "griddepcontrol" not in source and GRID_DEPENDENCY not in source and "ProgrammaticStreamSerialization" not in source
 
 
 def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
@@ -202,9 +211,9 @@ def test_cache_keys_depend_on_content_not_paths_or_times(built, tmp_path):
 
 
 def test_the_lowering_cache_is_keyed_on_the_kernels_not_on_the_code_that_made_them(built, monkeypatch, tmp_path):
-    """A code change that changes no kernel (simulated: another code fingerprint, so every
-    kernel digest is computed again, by the lowering workers, never by the main process) lowers
-    nothing; a schedule change lowers its library again, and only that one."""
+    """A code change that changes no kernel and not ``lower.py`` (simulated: another code
+    fingerprint, so every kernel digest is computed again, by the lowering workers, never by the
+    main process) lowers nothing; a schedule change lowers its library again, and only that one."""
     from tvm_rmsquant.codegen import lower
 
     root, _ = built
@@ -225,6 +234,20 @@ def test_the_lowering_cache_is_keyed_on_the_kernels_not_on_the_code_that_made_th
 
     report = builder.build(SPECS, tmp_path / "changed", jobs=1, cache_dir=tmp_path / "cache", choose=other_knobs)
     assert (report.lowered, report.compiled) == (1, 1)
+
+
+def test_the_lowering_cache_is_keyed_on_the_code_that_lowers(monkeypatch, tmp_path):
+    """``lower.py`` makes each library's source from its kernels' scheduled TIR, and edits that TIR
+    on the way (the grid-dependency wait for PDL): an edit there lowers again, whatever the digests."""
+    from tvm_rmsquant.codegen import lower
+
+    variants = next(iter(builder.plan(SPECS[:1]).values()))
+    key = lambda: builder.lowering_key(variants, builder.toolchain(), lambda spec, rule, knobs: "a digest")
+    before = key()
+    edited = tmp_path / "lower.py"
+    edited.write_text(Path(lower.__file__).read_text() + "\n# an edit\n")
+    monkeypatch.setattr(lower, "__file__", str(edited))
+    assert key() != before
 
 
 def test_a_failed_build_leaves_the_previous_bundle_live(built, monkeypatch, tmp_path):

@@ -95,10 +95,13 @@ def test_default_preset_covers_the_consumer_table():
                       for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, 12288, 14336)}
     assert {(s.dtype, s.group, s.layout, s.format, s.scale_ub) for s in standalone} == {
         (s.dtype, s.group, s.layout, s.format, s.scale_ub) for s in specs if s.is_dynamic and not s.residual}
-    # An fp32 norm weight with 16-bit activations: dynamic K, every (group, layout, format), residual or not.
+    # An fp32 norm weight with 16-bit activations: dynamic K, every (group, layout, format), residual or
+    # not; and static K for bf16 with col fp32 scales at every default hidden size, G = 128.
     mixed = [s for s in everything if s.weight_dtype is not None]
-    assert all(s.is_dynamic and s.norm and s.weight_dtype == "fp32" and not s.scale_ub for s in mixed)
-    assert {(s.dtype, s.group, s.residual, s.layout, s.format) for s in mixed} == {
+    assert all(s.norm and s.weight_dtype == "fp32" and not s.scale_ub for s in mixed)
+    assert {(s.dtype, s.group, s.residual, s.layout, s.format) for s in mixed if s.is_dynamic} == {
         (s.dtype, s.group, s.residual, s.layout, s.format) for s in dynamic}
+    assert {(s.dtype, s.hidden, s.group, s.residual, s.layout, s.format) for s in mixed if not s.is_dynamic} == {
+        ("bf16", k, 128, r, "col", "fp32") for k in (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192) for r in (False, True)}
     capped = {(s.dtype, s.hidden, s.group, s.residual, s.layout, s.format) for s in specs if s.scale_ub}
     assert capped == {(d, None, 128, r, layout, "fp32") for d in ("bf16", "fp16") for r in (False, True) for layout in ("row", "col")}
