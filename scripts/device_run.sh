@@ -11,12 +11,16 @@
 #   BENCH_ROWS, BENCH_HIDDEN, BENCH_FORMATS   narrow the benchmark grid
 #   BENCH_PROVIDERS            the bench stage's providers (default: ours,triton); BENCH_SLOW_ROWS the M
 #                              values at which torch_compile/torch_eager run (default: all)
-#   SWEEP_ROWS, SWEEP_FORMATS  the M values and layout:format pairs of the sweep stage
+#   SWEEP_ROWS, SWEEP_FORMATS, SWEEP_HIDDEN, SWEEP_PROVIDERS  the sweep stage's grid, over each
+#                              artifacts/sweep_* bundle (default: K 4096,7168, provider ours)
 #   TUNE_SPECS                 space-separated spec names: the tune stage measures only these
 #   TUNE_BUNDLES               the candidate bundles the tune stage measures (default: artifacts/tune_*)
 #   OVERHEAD_RUNS              how many times the overhead stage runs (default 1)
-#   PROFILE_VARIANTS, PROFILE_ROWS  the profile stage: ncu's throughput, memory, occupancy and warp-stall
-#                              sections for each named variant's kernel at M = PROFILE_ROWS (default 16384)
+#   PROFILE_VARIANTS, PROFILE_ROWS  the profile stage: ncu (PROFILE_SET, default: throughput, memory,
+#                              occupancy, warp-stall and launch sections) on each named variant's kernel
+#                              at each M of PROFILE_ROWS (default 16384), run by bench (checked first);
+#                              a variant with a residual and col fp32 scales is profiled against
+#                              FlashInfer's kernel too when artifacts/flashinfer_peer is carried
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz; $OUT/stages.log has the GPU's clocks and each
 # stage's start time. The tests stage runs the gpu tests once per carried apache-tvm-ffi wheel,
@@ -42,7 +46,7 @@ PKG=/tmp/pkg-$$
 mkdir -p $PKG && cp -r tvm_rmsquant $PKG/ && cp -r schedules $PKG/tvm_rmsquant/schedules \
   && cp -r codegen $PKG/tvm_rmsquant/codegen || exit 1
 # No TVM there, on purpose: the tests that need the build toolchain skip instead of failing.
-export TVM_RMSQUANT_BUNDLE=$PWD/artifacts/bundle PYTHONUNBUFFERED=1 TVM_RMSQUANT_NO_TOOLCHAIN=1
+export TVM_RMSQUANT_BUNDLE=${TVM_RMSQUANT_BUNDLE:-$PWD/artifacts/bundle} PYTHONUNBUFFERED=1 TVM_RMSQUANT_NO_TOOLCHAIN=1
 BUILT_WITH=$(python3 -P -c 'import json, sys; root = sys.argv[1]; live = open(root + "/CURRENT").read().strip()
 print(json.load(open(f"{root}/bundles/{live}/manifest.json"))["toolchain"]["apache-tvm-ffi"])' "$TVM_RMSQUANT_BUNDLE" 2>/dev/null)
 FFI_VERSION=${FFI_VERSION:-${BUILT_WITH:-$(echo "$FFI_VERSIONS" | tail -n 1)}}
@@ -104,7 +108,7 @@ print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' 
     sweep)
       for bundle in artifacts/sweep_*; do
         echo "== $bundle" >> "$RESULTS/sweep.log"
-        python3 -P -m tvm_rmsquant bench --bundle "$bundle" --providers ours --hidden 4096,7168 --rows "${SWEEP_ROWS:-64,4096,16384}" \
+        python3 -P -m tvm_rmsquant bench --bundle "$bundle" --providers "${SWEEP_PROVIDERS:-ours}" --hidden "${SWEEP_HIDDEN:-4096,7168}" --rows "${SWEEP_ROWS:-64,4096,16384}" \
           --formats "${SWEEP_FORMATS:-row:fp32,col:ue8m0}" --out "/tmp/sweep/$(basename "$bundle")" >> "$RESULTS/sweep.log" 2>&1
       done
       grep -E "==|M= *(4096|16384)" "$RESULTS/sweep.log"; tar -czf "$RESULTS/sweep.tar.gz" -C /tmp sweep ;;
@@ -125,13 +129,31 @@ print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' 
         --out /tmp/pairs > "$RESULTS/pairs.log" 2>&1 || status=1
       tail -n 45 "$RESULTS/pairs.log"; tar -czf "$RESULTS/pairs.tar.gz" -C /tmp pairs ;;
     profile)
-      # ncu on one launch of each variant (scripts/sanitize.py runs it on random data, checked).
+      # ncu on the first launch of each variant's kernel in a bench run (which checks it before timing):
+      # PROFILE_SET=full adds instruction, scheduler and per-instruction stall sampling. Each report
+      # is kept, with its details and its SASS source page as text, in profile.tar.gz.
+      mkdir -p /tmp/profile
+      sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats)
+      [ -n "${PROFILE_SET:-}" ] && sections=(--set "$PROFILE_SET")
       for variant in ${PROFILE_VARIANTS:-bf16_k7168_g128_row_fp32}; do
-        ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-          --section LaunchStats -k "regex:$variant" -c 1 python3 -P scripts/sanitize.py --only "$variant" \
-          --rows "${PROFILE_ROWS:-16384}" >> "$RESULTS/profile.log" 2>&1 || status=1
+        spec=$(python3 -P -c 'import sys; from tvm_rmsquant.spec import VariantSpec; s = VariantSpec.parse(sys.argv[1])
+print(s.hidden, f"{s.layout}:{s.format}", int(s.residual and (s.layout, s.format) == ("col", "fp32")))' "$variant") || { status=1; continue; }
+        read -r hidden pair peer <<< "$spec"
+        cases="ours:$variant"
+        [ "$peer" = 1 ] && [ -f artifacts/flashinfer_peer/flashinfer_peer.so ] && cases="$cases flashinfer:FusedAddRMSNormFP8BlockQuantKernel"
+        for rows in $(echo "${PROFILE_ROWS:-16384}" | tr , ' '); do
+          for case in $cases; do
+            provider=${case%%:*} kernel=${case#*:} report=/tmp/profile/${provider}_${variant}_m$rows
+            ncu "${sections[@]}" -k "regex:$kernel" -c 1 -f -o "$report" python3 -P -m tvm_rmsquant bench --providers "$provider" --hidden "$hidden" \
+              --rows "$rows" --formats "$pair" --out "$report.bench" >> "$RESULTS/profile.log" 2>&1 || status=1
+            ncu -i "$report.ncu-rep" --page details > "$report.details.txt" 2>&1
+            ncu -i "$report.ncu-rep" --page source --print-source sass --csv > "$report.sass.csv" 2>&1
+            echo "== $provider $variant M=$rows" >> "$RESULTS/profile.log"; cat "$report.details.txt" >> "$RESULTS/profile.log"
+          done
+        done
       done
-      grep -E "==PROF==|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Block Limit|Stall|sanitize:|WRONG" "$RESULTS/profile.log" | head -n 60 ;;
+      tar -czf "$RESULTS/profile.tar.gz" -C /tmp profile
+      grep -E "^==|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Stall|WRONG|Error" "$RESULTS/profile.log" | head -n 80 ;;
     transformers)
       # transformers' FP8 Qwen3 at Qwen3-8B's sizes, fused against unfused and bf16 (needs accelerate: carry its wheel).
       python3 -P scripts/bench_transformers.py --out "$RESULTS/transformers.json" > "$RESULTS/transformers.log" 2>&1 || status=1
