@@ -232,8 +232,9 @@ def plan_candidates(candidates: Dict[VariantSpec, List[Tuple[str, Dict[str, int]
 def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], kernel_digest) -> str:
     """The lowering cache's key of one library: what its source is made of. Each kernel's
     scheduled TIR and knobs (``kernel_digest``), its symbol, the generated entry points, the
-    TVM pass configuration, target archs and PDL, the code that lowers (``lower.py``, which
-    also edits the scheduled TIR, for PDL and occupancy) and the toolchain versions."""
+    TVM pass configuration, target archs and PDL, the code that lowers (``lower.py``: it adds the
+    occupancy hint and the PDL wait, so an edit there changes sources that no digest sees) and
+    the toolchain versions."""
     from . import lower
     from .lower import PASS_CONFIG, entry_points
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -49,14 +50,10 @@ def _scheduled_once(spec: VariantSpec, rule_name: str, knobs: Tuple[Tuple[str, i
     return rule_by_name(rule_name).apply(expr.prim_func(spec), target, spec, dict(knobs)).mod["main"]
 
 
-def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: str, target: Target, pdl: bool = True):
+def schedule(spec: VariantSpec, rule_name: str, knobs: Dict[str, int], symbol: str, target: Target):
     """The scheduled PrimFunc of one variant for ``target``, with the rule's occupancy hint,
-    exported under ``grouped_symbol(symbol)``; ``pdl``: it launches with programmatic dependent
-    launch (sm_90+) and waits on ``GRID_DEPENDENCY`` (``with_grid_dependency``)."""
-    func = _scheduled(spec, rule_name, knobs, target)
-    if pdl:
-        func = with_grid_dependency(func).with_attr("tirx.kernel_launch_params", PDL_LAUNCH_PARAMS)
-    func = with_min_blocks_per_sm(func, rule_by_name(rule_name).min_blocks_per_sm(knobs))
+    exported under ``grouped_symbol(symbol)``."""
+    func = with_min_blocks_per_sm(_scheduled(spec, rule_name, knobs, target), rule_by_name(rule_name).min_blocks_per_sm(knobs))
     return func.with_attr("global_symbol", launch.grouped_symbol(symbol))
 
 
@@ -103,56 +100,23 @@ def with_min_blocks_per_sm(func, blocks: int):
 #: The PrimFunc attribute with which TVM 0.27's launcher sets CUDA's programmatic-stream-
 #: serialization launch attribute (TVM's own spelling).
 PDL_LAUNCH_PARAMS = ["tirx.use_programtic_dependent_launch"]
-#: The device function a PDL kernel calls before it reads anything a previous kernel may write
-#: (x and the residual may be the previous kernel's output): wait until the grids it depends on
-#: have completed and their writes are visible, then let its own dependents launch (they wait
-#: the same way, so releasing them at once is safe).
-GRID_DEPENDENCY = "tvm_rmsquant_grid_dependency"
-GRID_DEPENDENCY_SOURCE = (
-    f"__device__ __forceinline__ void {GRID_DEPENDENCY}() {{\n"
-    '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
-    '  asm volatile("griddepcontrol.launch_dependents;");\n'
-    "}\n"
-)
-#: The cache-read blocks of what no kernel of a model writes, the norm weight: a kernel whose row
-#: loop starts with them issues them before it waits (row_resident loads a thread's whole slice
-#: of the weight there), so their latency overlaps the previous kernel's tail.
-READ_BEFORE_WAIT = ("weight_local",)
+#: What a PDL kernel runs first: wait until the grids it depends on have completed and their
+#: writes are visible (x and the residual may be the previous kernel's output), then let its
+#: own dependents launch (they wait the same way, so releasing them at once is safe).
+GRID_DEPENDENCY = '  asm volatile("griddepcontrol.wait;" ::: "memory");\n  asm volatile("griddepcontrol.launch_dependents;");\n'
 
 
-def with_grid_dependency(func):
-    """``func`` calling ``GRID_DEPENDENCY`` first thing in its row loop (the blockIdx.x loop),
-    after that loop's loads of ``READ_BEFORE_WAIT``, which move ahead of its other statements.
+def with_grid_dependency(source: str, kernel: str) -> str:
+    """Make ``kernel`` start with ``GRID_DEPENDENCY``.
 
     TVM 0.27 exposes ``griddepcontrol`` to TIRx device code only, not to scheduled TIR (as with
-    the min-blocks attribute), so the wait is an extern call that ``cuda_source`` defines. The
-    loads it moves read nothing the statements before them write (a load block reads a
-    parameter and writes its own local buffer), so their order is free.
+    the min-blocks attribute), so the statement goes in at the top of the generated body.
     """
-    import tvm_ffi
-    from tvm import s_tir, tirx
-
-    def blocks(stmt) -> List[str]:
-        names: List[str] = []
-        tvm_ffi.structural_walk(stmt, [(s_tir.SBlock, lambda block: names.append(block.name_hint))], order="pre")
-        return names
-
-    rows = []
-
-    def wait_in(loop):
-        if loop.thread_binding is None or loop.thread_binding.thread_tag != "blockIdx.x":
-            return loop
-        rows.append(loop)
-        stmts = list(loop.body.seq) if isinstance(loop.body, tirx.SeqStmt) else [loop.body]
-        early = [stmt for stmt in stmts if set(blocks(stmt)) <= set(READ_BEFORE_WAIT) and blocks(stmt)]
-        late = [stmt for stmt in stmts if not any(stmt.same_as(moved) for moved in early)]
-        body = tirx.SeqStmt(early + [tirx.Evaluate(tirx.call_extern("void", GRID_DEPENDENCY))] + late)
-        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
-
-    func = tvm_ffi.structural_map(func, [(tirx.For, wait_in)], order="post")
-    if len(rows) != 1:
-        raise RuntimeError(f"expected one blockIdx.x loop to wait on the grid dependency in, found {len(rows)}")
-    return func
+    pattern = re.compile(rf"(__global__ void __launch_bounds__\([\d, ]+\) {re.escape(kernel)}\([^;{{]*\)\s*{{\n)")
+    source, count = pattern.subn(lambda match: match.group(1) + GRID_DEPENDENCY, source)
+    if count != 1:
+        raise RuntimeError(f"found {count} definitions of {kernel} in the generated source, expected one")
+    return source
 
 
 #: DLPack (type code, bits) of each input dtype.
@@ -205,16 +169,21 @@ def cuda_source(variants: Iterable[Tuple[VariantSpec, str, Dict[str, int], str, 
                 pdl: bool = True) -> str:
     """One translation unit for ``archs``: each (spec, rule, knobs, symbol, max_rows)'s kernel and
     host wrapper, then ``entry_points``. ``pdl``: every kernel launches with programmatic
-    dependent launch (sm_90+) and waits on ``GRID_DEPENDENCY``, defined first."""
+    dependent launch (sm_90+) and starts with ``GRID_DEPENDENCY``."""
     import tvm
 
     variants = list(variants)
     target = scheduling_target(archs)
-    funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol, target, pdl) for spec, rule, knobs, symbol, _ in variants}
+    funcs = {launch.grouped_symbol(symbol): schedule(spec, rule, knobs, symbol, target) for spec, rule, knobs, symbol, _ in variants}
+    if pdl:
+        funcs = {name: func.with_attr("tirx.kernel_launch_params", PDL_LAUNCH_PARAMS) for name, func in funcs.items()}
     with tvm.transform.PassContext(config=PASS_CONFIG):
         built = tvm.compile(tvm.IRModule(funcs), target=cuda_target(archs))
     kernels = tvm.backend.cuda.export_cuda_host(built.mod)
-    return "\n".join(([GRID_DEPENDENCY_SOURCE] if pdl else []) + [kernels, entry_points(variants)])
+    if pdl:
+        for _, _, _, symbol, _ in variants:
+            kernels = with_grid_dependency(kernels, f"{launch.grouped_symbol(symbol)}_kernel")
+    return "\n".join([kernels, entry_points(variants)])
 
 
 def cpu_function(spec: VariantSpec):

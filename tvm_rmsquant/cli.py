@@ -70,8 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--knobs", type=_parse_knobs, default={}, help="override schedule knobs where valid, e.g. groups_per_thread=8")
     build.add_argument("--no-pdl", action="store_true",
                        help="launch the kernels without programmatic dependent launch (on by default: each kernel "
-                            "waits on griddepcontrol before it reads anything but the norm weight, so it may launch while the "
-                            "previous one ends)")
+                            "waits on griddepcontrol before its first read, so it may launch while the previous one ends)")
     build.add_argument("--arch", type=_parse_archs, default=",".join(DEFAULT_ARCHS),
                        help=f"comma-separated GPU archs every library holds SASS for, of {','.join(TARGETS)} (default: %(default)s); "
                             "tuning records are matched against the first one's compute capability")

@@ -44,9 +44,8 @@ ALL_GROUP32_LAYOUTS = GROUP32_LAYOUTS + tuple(
 #: residual or not (16 variants): the dynamic-K kernel walks a row's K / 128 groups one after
 #: another (~0.4 µs each at M = 1, measured on its standalone quant), the static-K one ran
 #: K = 7168, M = 1 with a residual in 2.50 µs (H100). Every other mixed pair runs the dynamic-K
-#: kernel. All four
-#: consumer layouts (64 variants) took the cold default build here from 2:55 to 3:32, col fp32
-#: alone (16) to 3:19 (docs/perf.md, build time).
+#: kernel: all four consumer layouts (64 variants) took the cold default build here from 2:55
+#: to 3:32, col fp32 alone (16) to 3:19 (docs/perf.md, build time).
 STATIC_MIXED_WEIGHT = ("bf16", ("col", "fp32"))
 PRESETS = ("default", "all")
 
@@ -73,7 +72,7 @@ def preset(name: str, hidden: Optional[Sequence[int]] = None, dtypes: Optional[I
     K too for cuBLAS's blockwise layout, the decode path of the transformers integration, at
     the default hidden and ``STANDALONE_INTERMEDIATE`` sizes (at ``hidden`` where given); and,
     at dynamic K as the standalone quant, the fp32-weight norm (``weight_dtype="fp32"``) of each
-    16-bit dtype.
+    16-bit dtype, at static K too for ``STATIC_MIXED_WEIGHT``.
     """
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; choose one of {PRESETS}")
