@@ -45,7 +45,7 @@ ALL_GROUP32_LAYOUTS = GROUP32_LAYOUTS + tuple(
 #: another (~0.4 µs each at M = 1, measured on its standalone quant), the static-K one ran
 #: K = 7168, M = 1 with a residual in 2.50 µs (H100). Every other mixed pair runs the dynamic-K
 #: kernel: all four consumer layouts (64 variants) took the cold default build here from 2:55
-#: to 3:32, col fp32 alone (16) to 3:19 (docs/perf.md, build time).
+#: to 3:32, col fp32 alone (16) from 2:46 to 3:00 (docs/perf.md, build time).
 STATIC_MIXED_WEIGHT = ("bf16", ("col", "fp32"))
 PRESETS = ("default", "all")
 
