@@ -236,13 +236,12 @@ def lowering_key(variants: List[PlannedVariant], tools: Dict[str, str], kernel_d
     occupancy hint and the PDL wait, so an edit there changes sources that no digest sees) and
     the toolchain versions."""
     from . import lower
-    from .lower import PASS_CONFIG, entry_points
 
     lowering = [variant.as_lowering_input() for variant in variants]
     payload = {
         "kernels": [[kernel_digest(spec, rule, knobs), symbol, max_rows] for spec, rule, knobs, symbol, max_rows in lowering],
-        "entry_points": sha256_bytes(entry_points(lowering).encode()),
-        "pass_config": PASS_CONFIG,
+        "entry_points": sha256_bytes(lower.entry_points(lowering).encode()),
+        "pass_config": lower.PASS_CONFIG,
         "tvm": tools["apache-tvm"],
         "tvm_ffi": tools["apache-tvm-ffi"],
         "archs": tools["target_archs"],
