@@ -71,7 +71,7 @@ def test_every_kernel_launches_with_pdl_and_waits_before_its_first_read(built, t
 
 def test_build_publishes_a_verified_bundle_with_a_full_manifest(built):
     root, report = built
-    assert report.published and report.variants == 3 and report.lowered == report.compiled == report.libraries == 3
+    assert report.published and report.variants == report.kernels == 3 and report.lowered == report.compiled == report.libraries == 3
     bundle = Bundle(root / "bundle")
     manifest = bundle.manifest
     assert set(manifest["toolchain"]) == {"package", "apache-tvm", "apache-tvm-ffi", "nvcc", "target_archs", "pdl"}

@@ -360,7 +360,8 @@ def test_a_tuned_build_ships_one_kernel_per_bucket_with_its_knobs(tmp_path, tool
 
     small = {"vector": 4, "groups_per_thread": 2, "min_blocks_per_sm": 4}
     tuned, _ = TuningDatabase([_record(64, small)]).for_build(BUILD)
-    builder.build([SPEC], tmp_path / "bundle", jobs=1, cache_dir=tmp_path / "cache", tuned=tuned)
+    report = builder.build([SPEC], tmp_path / "bundle", jobs=1, cache_dir=tmp_path / "cache", tuned=tuned)
+    assert (report.variants, report.kernels) == (1, 2) and "built 1 variant (2 kernels) in 1 library:" in report.summary()
     bundle = Bundle(tmp_path / "bundle")
     entry = bundle.entry(SPEC.name)
     assert entry["knobs"] == default_schedule(SPEC, SCHEDULING)[1] and "max_rows" not in entry
@@ -381,7 +382,7 @@ def test_a_candidate_bundle_lists_candidates_for_measurement_only(tmp_path, tool
 
     report = tune.build_candidates([SPEC], "random", 2, tmp_path / "candidates", jobs=1, seed=5, cache_dir=tmp_path / "cache")
     bundle = Bundle(tmp_path / "candidates")
-    assert bundle.names() == [] and report.variants == len(bundle.candidates()) == 3
+    assert bundle.names() == [] and report.variants == 1 and report.kernels == len(bundle.candidates()) == 3
     assert bundle.manifest["tuning"] == {"strategy": "random", "trials": 2, "seed": 5}
     first = bundle.candidates()[f"{SPEC.name}__t000"]
     assert first["knobs"] == default_schedule(SPEC, SCHEDULING)[1] and first["ptxas"]["sm_90a"]["registers"] > 0
