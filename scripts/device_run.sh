@@ -8,7 +8,8 @@
 #   TESTS_SIDE_BY_SIDE=1       the tests stage runs the carried apache-tvm-ffi versions at once (default: one by one)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
 #                              artifacts/bundle was built with, else the newest carried); tests runs under each
-#   BENCH_ROWS, BENCH_HIDDEN, BENCH_FORMATS   narrow the benchmark grid
+#   BENCH_ROWS, BENCH_HIDDEN, BENCH_FORMATS, BENCH_GROUP   narrow the benchmark grid (BENCH_GROUP=32:
+#                              the G = 32 layouts, col:ue8m0_packed and tiled:mxfp8)
 #   BENCH_PROVIDERS            the bench stage's providers (default: ours,triton); BENCH_SLOW_ROWS the M
 #                              values at which torch_compile/torch_eager run (default: all)
 #   SWEEP_ROWS, SWEEP_FORMATS, SWEEP_HIDDEN, SWEEP_PROVIDERS  the sweep stage's grid, over each
@@ -20,7 +21,9 @@
 #                              occupancy, warp-stall and launch sections) on each named variant's kernel
 #                              at each M of PROFILE_ROWS (default 16384), run by bench (checked first);
 #                              a variant with a residual and col fp32 scales is profiled against
-#                              FlashInfer's kernel too when artifacts/flashinfer_peer is carried
+#                              FlashInfer's kernel too when artifacts/flashinfer_peer is carried;
+#                              PROFILE_NCU_ARGS adds ncu options (e.g. --warp-sampling-interval 0:
+#                              one block at M = 1 gave ncu's default interval two stall samples)
 # Each stage writes $OUT/<stage>.log as it goes (so a timed-out call still returns it)
 # and packs its data into $OUT/<stage>.tar.gz; $OUT/stages.log has the GPU's clocks and each
 # stage's start time. The tests stage runs the gpu tests once per carried apache-tvm-ffi wheel,
@@ -114,7 +117,7 @@ print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' 
       grep -E "==|M= *(4096|16384)" "$RESULTS/sweep.log"; tar -czf "$RESULTS/sweep.tar.gz" -C /tmp sweep ;;
     bench)
       python3 -P -m tvm_rmsquant bench --providers "${BENCH_PROVIDERS:-ours,triton}" --overhead --out /tmp/bench \
-        ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} ${BENCH_FORMATS:+--formats $BENCH_FORMATS} ${BENCH_SLOW_ROWS:+--slow-rows $BENCH_SLOW_ROWS} > "$RESULTS/bench.log" 2>&1
+        ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} ${BENCH_ROWS:+--rows $BENCH_ROWS} ${BENCH_FORMATS:+--formats $BENCH_FORMATS} ${BENCH_GROUP:+--group $BENCH_GROUP} ${BENCH_SLOW_ROWS:+--slow-rows $BENCH_SLOW_ROWS} > "$RESULTS/bench.log" 2>&1
       grep -E "ceiling|overhead|WRONG|ERROR|Error" "$RESULTS/bench.log" | head -n 30; tar -czf "$RESULTS/bench.tar.gz" -C /tmp bench ;;
     tune)
       # Candidate bundles from `tune build`: checked, then timed; one results JSON each.
@@ -144,7 +147,7 @@ print(s.hidden, f"{s.layout}:{s.format}", int(s.residual and (s.layout, s.format
         for rows in $(echo "${PROFILE_ROWS:-16384}" | tr , ' '); do
           for case in $cases; do
             provider=${case%%:*} kernel=${case#*:} report=/tmp/profile/${provider}_${variant}_m$rows
-            ncu "${sections[@]}" -k "regex:$kernel" -c 1 -f -o "$report" python3 -P -m tvm_rmsquant bench --providers "$provider" --hidden "$hidden" \
+            ncu "${sections[@]}" ${PROFILE_NCU_ARGS:-} -k "regex:$kernel" -c 1 -f -o "$report" python3 -P -m tvm_rmsquant bench --providers "$provider" --hidden "$hidden" \
               --rows "$rows" --formats "$pair" --out "$report.bench" >> "$RESULTS/profile.log" 2>&1 || status=1
             ncu -i "$report.ncu-rep" --page details > "$report.details.txt" 2>&1
             ncu -i "$report.ncu-rep" --page source --print-source sass --csv > "$report.sass.csv" 2>&1

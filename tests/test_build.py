@@ -343,6 +343,31 @@ ptxas info    : Used 80 registers, used 1 barriers, 96 bytes smem"""
     assert parse_ptxas(log) == {"a_kernel": {"sm_90a": {"stack": 8, "spill_stores": 4, "spill_loads": 4, "registers": 80, "smem": 96}}}
 
 
+def test_bench_times_the_kernel_a_model_gets_and_names_the_points_no_kernel_runs(built):
+    """``bench``'s ours is what ``serving.choose`` gives a model: the static-K kernel, else the
+    dynamic-K one; a grid spec neither serves is named before any timing (the CLI exits 2 with
+    them), never skipped in silence."""
+    from tvm_rmsquant.bench import OursProvider, grid_specs, missing_kernels
+
+    root, _ = built
+    bundle = Bundle(root / "bundle")
+    specs = grid_specs("bf16", [2048, 3072], [("row", "fp32", None), ("col", "fp32", None)])
+    ours = OursProvider(bundle)
+    served = {spec.name: ours.variant(spec).name for spec in specs if ours.supports(spec)}
+    assert served == {
+        "bf16_k2048_g128_row_fp32": "bf16_k2048_g128_row_fp32",  # static K
+        "bf16_k2048_g128_col_fp32": "bf16_kdyn_g128_col_fp32",  # no static kernel: dynamic K
+        "bf16_k3072_g128_col_fp32": "bf16_kdyn_g128_col_fp32",
+    }
+    assert missing_kernels(bundle, specs) == [
+        "bf16_k2048_g128_res_row_fp32", "bf16_k2048_g128_res_col_fp32", "bf16_k3072_g128_row_fp32",
+        "bf16_k3072_g128_res_row_fp32", "bf16_k3072_g128_res_col_fp32",
+    ]
+    packed = grid_specs("bf16", [2048], [("col", "ue8m0_packed", None)], group=32)
+    assert [spec.name for spec in packed] == ["bf16_k2048_g32_col_ue8m0_packed", "bf16_k2048_g32_res_col_ue8m0_packed"]
+    assert missing_kernels(bundle, packed) == [spec.name for spec in packed]  # the bundle has G = 128 only
+
+
 def test_cli_lists_and_inspects_a_bundle(built):
     root, _ = built
     env = {**os.environ, "TVM_RMSQUANT_BUNDLE": str(root / "bundle")}

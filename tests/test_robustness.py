@@ -491,7 +491,9 @@ def test_fp16_values_near_its_max_do_not_overflow_and_quantize_as_any_row():
     (["bench"], r"sees no CUDA device"),
     (["bench", "--formats", "col"], r"--formats=col: 'col' is not layout:format or layout:format:wf32"),
     (["bench", "--formats", "col:fp32:fp16"], r"--formats=col:fp32:fp16: 'col:fp32:fp16' is not layout:format or layout:format:wf32"),
-    (["bench", "--formats", "row:fp32,diagonal:fp32"], r"--formats=row:fp32,diagonal:fp32: layout='diagonal'"),
+    (["bench", "--formats", "row:fp32,diagonal:fp32"], r"--formats=row:fp32,diagonal:fp32 --group=128: layout='diagonal'"),
+    (["bench", "--formats", "tiled:mxfp8"], r"--formats=tiled:mxfp8 --group=128: .*format='mxfp8' scales groups of 32 elements, not 128"),
+    (["bench", "--group", "100", "--formats", "col:fp32"], r"--group=100: group=100 must be a positive multiple of 8"),
     (["bench", "--dtype", "fp32", "--formats", "col:fp32:wf32"], r"weight_dtype='fp32' is for a bf16 or fp16 norm"),
 ])
 def test_cli_misuse_exits_2_with_one_line(argv, message):

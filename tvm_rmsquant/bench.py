@@ -20,6 +20,7 @@ import torch
 
 from . import reference
 from .checks import compare, random_inputs
+from .serving import choose
 from .spec import VariantSpec
 from .timing import copy_ceiling, cpu_oracle, input_copies, kernel_call, op_bytes, point_inputs, time_call
 
@@ -34,19 +35,28 @@ class Point:
     gigabytes_per_second: float
     ceiling_fraction: float
     agreement: str
+    #: The bundle variant that ran (ours only): the grid's static-K spec, or the dynamic-K
+    #: kernel where the bundle has no static one for that K, as in a model.
+    kernel: str = ""
 
 
 class OursProvider:
+    """The kernel a model gets for the point (``serving.choose``: static K, else dynamic K)."""
+
     name = "ours"
 
     def __init__(self, bundle):
         self.bundle = bundle
 
+    def variant(self, spec: VariantSpec) -> Optional[VariantSpec]:
+        return choose(spec, self.bundle)[0]
+
     def supports(self, spec: VariantSpec) -> bool:
-        return spec in self.bundle
+        return self.variant(spec) is not None
 
     def prepare(self, spec: VariantSpec, inputs: Dict, eps: float):
-        return kernel_call(self.bundle.function(spec.name), spec, inputs, eps)
+        variant = self.variant(spec)
+        return kernel_call(self.bundle.function(variant.name), variant, inputs, eps)
 
 
 class ReferenceProvider:
@@ -71,27 +81,28 @@ def measure(provider, spec: VariantSpec, rows: int, hidden: int, ceiling: float,
     """Check ``provider`` on fresh random inputs, then time it. None if it is unsupported."""
     if not provider.supports(spec):
         return None
+    kernel = provider.variant(spec).name if isinstance(provider, OursProvider) else ""
     inputs = point_inputs(spec, rows, hidden)
     try:
         call, outputs = provider.prepare(spec, inputs, eps)
         call()
         torch.cuda.synchronize()
     except Exception as error:  # a peer that cannot run this shape is reported, not fatal
-        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: {type(error).__name__}: {str(error)[:200]}")
+        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: {type(error).__name__}: {str(error)[:200]}", kernel)
     moved = op_bytes(spec, rows, hidden)
     verdict = _verdict(provider, spec, outputs, inputs, eps, cpu_oracle(spec, rows, hidden, eps))
     if verdict.startswith("WRONG") and not getattr(provider, "timed_when_wrong", False):
         # A wrong provider is reported, never timed.
-        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), verdict)
+        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), verdict, kernel)
     copies = input_copies(moved)
     input_sets = [inputs] + [point_inputs(spec, rows, hidden, copy) for copy in range(1, copies)]
     try:
         makers = [provider.prepare(spec, one, eps)[0] for one in input_sets]
         microseconds = time_call(lambda i: makers[i], copies, rows)
     except Exception as error:  # e.g. a peer that cannot be captured in a CUDA graph
-        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: timing: {type(error).__name__}: {str(error)[:200]}")
+        return Point(provider.name, spec.name, rows, hidden, float("nan"), float("nan"), float("nan"), f"ERROR: timing: {type(error).__name__}: {str(error)[:200]}", kernel)
     rate = moved / (microseconds * 1e-6) / 1e9
-    return Point(provider.name, spec.name, rows, hidden, microseconds, rate, rate / ceiling, verdict)
+    return Point(provider.name, spec.name, rows, hidden, microseconds, rate, rate / ceiling, verdict, kernel)
 
 
 def _verdict(provider, spec: VariantSpec, outputs, inputs: Dict, eps: float, oracle) -> str:
@@ -360,34 +371,47 @@ def host_overhead(bundle, calls: int = 2000, rounds: int = 7) -> Dict[str, float
 SLOW_PROVIDERS = ("torch_eager", "torch_compile")
 
 
-#: The grid's group size: G = 128, the group of block-FP8 checkpoints (DeepSeek-V3, Qwen3 FP8).
+#: The grid's default group size: G = 128, the group of block-FP8 checkpoints (DeepSeek-V3,
+#: Qwen3 FP8); ``--group 32`` benchmarks the MX and Blackwell DeepGEMM layouts.
 GRID_GROUP = 128
 
 
-def grid_spec(dtype: str, hidden: Optional[int], residual: bool, layout: str, fmt: str, weight_dtype: Optional[str]) -> VariantSpec:
+def grid_spec(dtype: str, hidden: Optional[int], residual: bool, layout: str, fmt: str, weight_dtype: Optional[str],
+              group: int = GRID_GROUP) -> VariantSpec:
     """The spec of one grid point; the CLI checks ``--formats`` with it before any GPU work."""
-    return VariantSpec(dtype, hidden, GRID_GROUP, residual, layout, fmt, weight_dtype=weight_dtype)
+    return VariantSpec(dtype, hidden, group, residual, layout, fmt, weight_dtype=weight_dtype)
 
 
-def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, out: Path, slow_rows=None) -> List[Point]:
+def grid_specs(dtype: str, hidden_sizes, formats, group: int = GRID_GROUP) -> List[VariantSpec]:
+    """The grid's specs in the order they run: per K, without then with a residual, per format."""
+    return [grid_spec(dtype, hidden, residual, layout, fmt, weight_dtype, group)
+            for hidden in hidden_sizes for residual in (False, True) for layout, fmt, weight_dtype in formats]
+
+
+def missing_kernels(bundle, specs) -> List[str]:
+    """The grid specs no kernel of ``bundle`` runs, neither static nor dynamic K (a model would
+    run the torch reference there): ``ours`` cannot be timed at them."""
+    return [spec.name for spec in specs if choose(spec, bundle)[0] is None]
+
+
+def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, out: Path, slow_rows=None,
+                  group: int = GRID_GROUP) -> List[Point]:
     """Every point of the grid for each of ``providers`` (``providers_by_name``); ``formats``
     are (layout, format, weight_dtype) triples, weight_dtype None or "fp32"."""
     ceiling = copy_ceiling()
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s", flush=True)
     points = []
-    for hidden in hidden_sizes:
-        for residual in (False, True):
-            for layout, fmt, weight_dtype in formats:
-                spec = grid_spec(dtype, hidden, residual, layout, fmt, weight_dtype)
-                for rows in rows_list:
-                    for provider in providers:
-                        if slow_rows is not None and provider.name in SLOW_PROVIDERS and rows not in slow_rows:
-                            continue
-                        point = measure(provider, spec, rows, hidden, ceiling)
-                        if point is not None:
-                            points.append(point)
-                            wrong = "  " + point.agreement if point.agreement.startswith(("WRONG", "ERROR")) else ""
-                            print(f"{point.provider:13s} {spec.name:34s} M={rows:6d} {point.microseconds:9.2f} us {point.gigabytes_per_second:7.0f} GB/s {100 * point.ceiling_fraction:5.1f}%{wrong}", flush=True)
+    for spec in grid_specs(dtype, hidden_sizes, formats, group):
+        for rows in rows_list:
+            for provider in providers:
+                if slow_rows is not None and provider.name in SLOW_PROVIDERS and rows not in slow_rows:
+                    continue
+                point = measure(provider, spec, rows, spec.hidden, ceiling)
+                if point is not None:
+                    points.append(point)
+                    wrong = "  " + point.agreement if point.agreement.startswith(("WRONG", "ERROR")) else ""
+                    ran = f"  ({point.kernel})" if point.kernel not in ("", spec.name) else ""
+                    print(f"{point.provider:13s} {spec.name:34s} M={rows:6d} {point.microseconds:9.2f} us {point.gigabytes_per_second:7.0f} GB/s {100 * point.ceiling_fraction:5.1f}%{wrong}{ran}", flush=True)
     write_results(points, ceiling, out)
     (out / "bench.md").write_text(markdown_table(points, ceiling))
     plot(points, ceiling, out / "bench.png")

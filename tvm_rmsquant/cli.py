@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--formats", default="row:fp32,col:fp32,col:ue8m0",
                        help="layout:format pairs; layout:format:wf32 takes an fp32 norm weight (16-bit --dtype only)")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    bench.add_argument("--group", type=int, help="the grid's group size G (default 128; 32 for packed UE8M0 at G = 32 and tiled:mxfp8)")
     bench.add_argument("--slow-rows", type=_parse_hidden, help="M values at which torch_eager/torch_compile run (default: all)")
     bench.add_argument("--overhead", action="store_true", help="also measure eager host overhead against torch.add")
     bench.add_argument("--pairs", action="store_true",
@@ -238,9 +239,9 @@ def _inspect(args) -> int:
     return 0
 
 
-def _bench_formats(text: str, dtype: str):
+def _bench_formats(text: str, dtype: str, group: int):
     """``--formats`` as (layout, format, weight_dtype) triples, each checked as the grid's spec
-    (``bench.grid_spec``); None after a one-line error."""
+    at ``--group`` (``bench.grid_spec``); None after a one-line error."""
     from .bench import grid_spec
 
     formats = []
@@ -251,9 +252,9 @@ def _bench_formats(text: str, dtype: str):
             return None
         layout, fmt, weight_dtype = fields[0], fields[1], "fp32" if len(fields) == 3 else None
         try:
-            grid_spec(dtype, None, False, layout, fmt, weight_dtype)
+            grid_spec(dtype, None, False, layout, fmt, weight_dtype, group)
         except ValueError as error:
-            print(f"error: --formats={text}: {error}", file=sys.stderr)
+            print(f"error: --formats={text} --group={group}: {error}", file=sys.stderr)
             return None
         formats.append((layout, fmt, weight_dtype))
     return formats
@@ -262,9 +263,10 @@ def _bench_formats(text: str, dtype: str):
 def _bench(args) -> int:
     import torch
 
-    from .bench import providers_by_name, run_benchmark
+    from .bench import GRID_GROUP, grid_specs, missing_kernels, providers_by_name, run_benchmark
 
-    formats = _bench_formats(args.formats, args.dtype)
+    group = GRID_GROUP if args.group is None else args.group
+    formats = _bench_formats(args.formats, args.dtype, group)
     if formats is None:
         return 2
     if not torch.cuda.is_available():
@@ -276,13 +278,19 @@ def _bench(args) -> int:
     except ValueError as error:
         print(f"error: --providers={args.providers}: {error}", file=sys.stderr)
         return 2
+    missing = missing_kernels(bundle, grid_specs(args.dtype, args.hidden, formats, group)) if "ours" in args.providers.split(",") and not args.pairs else []
+    if missing:
+        print(f"error: --formats={args.formats} --hidden={','.join(map(str, args.hidden))}: bundle {bundle.path} has no kernel, static or "
+              f"dynamic K, for {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} ({len(missing)} grid specs): build them "
+              f"(`python3 -m tvm_rmsquant build --preset all` has every layout) or leave them out of --formats", file=sys.stderr)
+        return 2
     if args.pairs:
         from .bench import gemm_pairs
 
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "pairs.json").write_text(json.dumps(gemm_pairs(bundle, providers, args.hidden, args.rows), indent=1))
         return 0
-    run_benchmark(bundle, args.dtype, args.hidden, args.rows, formats, providers, args.out, args.slow_rows)
+    run_benchmark(bundle, args.dtype, args.hidden, args.rows, formats, providers, args.out, args.slow_rows, group)
     if args.overhead:
         from .bench import host_overhead
 
