@@ -391,7 +391,8 @@ def grid_specs(dtype: str, hidden_sizes, formats, group: int = GRID_GROUP) -> Li
 def missing_kernels(bundle, specs) -> List[str]:
     """The grid specs no kernel of ``bundle`` runs, neither static nor dynamic K (a model would
     run the torch reference there): ``ours`` cannot be timed at them."""
-    return [spec.name for spec in specs if choose(spec, bundle)[0] is None]
+    ours = OursProvider(bundle)
+    return [spec.name for spec in specs if not ours.supports(spec)]
 
 
 def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, out: Path, slow_rows=None,
