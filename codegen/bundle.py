@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import itertools
 import json
 import multiprocessing
 import os
@@ -477,7 +476,7 @@ def build_libraries(
     published = publish(out_dir, manifest, files)
     return BuildReport(
         bundle=out_dir,
-        variants=len({planned.spec for planned in itertools.chain.from_iterable(libraries.values())}),
+        variants=len({planned.spec for planned_variants in libraries.values() for planned in planned_variants}),
         kernels=sum(len(v) for v in libraries.values()),
         libraries=len(libraries),
         lowered=len(lowered),

@@ -347,7 +347,7 @@ def test_bench_times_the_kernel_a_model_gets_and_names_the_points_no_kernel_runs
     """``bench``'s ours is what ``serving.choose`` gives a model: the static-K kernel, else the
     dynamic-K one; a grid spec neither serves is named before any timing (the CLI exits 2 with
     them), never skipped in silence."""
-    from tvm_rmsquant.bench import OursProvider, grid_specs, missing_kernels
+    from tvm_rmsquant.bench import OursProvider, grid_specs, missing_kernels, pair_spec
 
     root, _ = built
     bundle = Bundle(root / "bundle")
@@ -366,6 +366,7 @@ def test_bench_times_the_kernel_a_model_gets_and_names_the_points_no_kernel_runs
     packed = grid_specs("bf16", [2048], [("col", "ue8m0_packed", None)], group=32)
     assert [spec.name for spec in packed] == ["bf16_k2048_g32_col_ue8m0_packed", "bf16_k2048_g32_res_col_ue8m0_packed"]
     assert missing_kernels(bundle, packed) == [spec.name for spec in packed]  # the bundle has G = 128 only
+    assert missing_kernels(bundle, [pair_spec(2048)]) == ["bf16_k2048_g128_res_col_fp32"]  # --pairs is checked too
 
 
 def test_cli_lists_and_inspects_a_bundle(built):

@@ -423,14 +423,19 @@ def run_benchmark(bundle, dtype, hidden_sizes, rows_list, formats, providers, ou
 PAIRS = 20
 
 
+def pair_spec(hidden: int) -> VariantSpec:
+    """The op of ``gemm_pairs`` at K = ``hidden``: FlashInfer's job (residual, col fp32, G = 128)."""
+    return VariantSpec("bf16", hidden, 128, True, "col", "fp32")
+
+
 def gemm_pairs(bundle, providers, hidden_sizes, rows_list, eps: float = 1e-6) -> List[Dict]:
     """Microseconds per (bf16 GEMM [M, K] x [K, K] -> the op on its output) pair, from CUDA-graph
-    replays of ``PAIRS`` pairs: where PDL lets the op launch while the GEMM ends. The job is
-    FlashInfer's (residual, col fp32, G = 128); each provider is checked on the GEMM's real
-    output before it is timed, and a wrong one is reported, not timed."""
+    replays of ``PAIRS`` pairs: where PDL lets the op launch while the GEMM ends. The op is
+    ``pair_spec``'s; each provider is checked on the GEMM's real output before it is timed, and
+    a wrong one is reported, not timed."""
     rows_out = []
     for hidden in hidden_sizes:
-        spec = VariantSpec("bf16", hidden, 128, True, "col", "fp32")
+        spec = pair_spec(hidden)
         for rows in rows_list:
             generator = torch.Generator(device="cuda").manual_seed(rows + hidden)
             a = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()

@@ -263,7 +263,7 @@ def _bench_formats(text: str, dtype: str, group: int):
 def _bench(args) -> int:
     import torch
 
-    from .bench import GRID_GROUP, grid_specs, missing_kernels, providers_by_name, run_benchmark
+    from .bench import GRID_GROUP, grid_specs, missing_kernels, pair_spec, providers_by_name, run_benchmark
 
     group = GRID_GROUP if args.group is None else args.group
     formats = _bench_formats(args.formats, args.dtype, group)
@@ -278,11 +278,13 @@ def _bench(args) -> int:
     except ValueError as error:
         print(f"error: --providers={args.providers}: {error}", file=sys.stderr)
         return 2
-    missing = missing_kernels(bundle, grid_specs(args.dtype, args.hidden, formats, group)) if "ours" in args.providers.split(",") and not args.pairs else []
+    specs = [pair_spec(hidden) for hidden in args.hidden] if args.pairs else grid_specs(args.dtype, args.hidden, formats, group)
+    missing = missing_kernels(bundle, specs) if any(provider.name == "ours" for provider in providers) else []
     if missing:
-        print(f"error: --formats={args.formats} --hidden={','.join(map(str, args.hidden))}: bundle {bundle.path} has no kernel, static or "
-              f"dynamic K, for {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} ({len(missing)} grid specs): build them "
-              f"(`python3 -m tvm_rmsquant build --preset all` has every layout) or leave them out of --formats", file=sys.stderr)
+        asked = f"--hidden={','.join(map(str, args.hidden))}" + ("" if args.pairs else f" --formats={args.formats}")
+        print(f"error: {asked}: bundle {bundle.path} has no kernel, static or dynamic K, for {', '.join(missing[:3])}"
+              f"{' …' if len(missing) > 3 else ''} ({len(missing)} specs): build them "
+              f"(`python3 -m tvm_rmsquant build --preset all` has every layout) or leave them out", file=sys.stderr)
         return 2
     if args.pairs:
         from .bench import gemm_pairs
