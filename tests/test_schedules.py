@@ -79,3 +79,23 @@ def test_one_schedule_serves_every_arch_of_a_build_or_the_build_is_refused(monke
     monkeypatch.setitem(target.TARGETS, "sm_100a", dataclasses.replace(target.TARGETS["sm_100a"], threads_per_sm=1024))
     with pytest.raises(ValueError, match="arch=sm_100a has 1024 threads per SM, fewer than the 2048 of sm_90a"):
         scheduling_target(("sm_90a", "sm_100a"))
+
+
+@pytest.mark.parametrize("per_thread,word_stores,byte_stores", [(4, 1, 0), (8, 2, 0), (2, 0, 2)])
+def test_tiled_scales_are_stored_a_tile_word_at_a_time(per_thread, word_stores, byte_stores):
+    """A thread's groups that share a 4-column tile word are stored as one 4-byte vector
+    (4 byte stores cost tiled:mxfp8 12 points of the copy ceiling against packed UE8M0, which
+    stores words; docs/perf.md); fewer than 4 groups per thread keep one store each."""
+    from conftest import require_toolchain
+
+    require_toolchain(nvcc=False)
+    import re
+
+    from tvm_rmsquant.codegen import lower
+
+    spec = VariantSpec("bf16", 8192, 32, False, "tiled", "mxfp8")
+    knobs = {"vector": 8, "groups_per_thread": per_thread, "min_blocks_per_sm": 0}
+    source = lower.cuda_source([(spec, "row_resident", knobs, "k", None)], DEFAULT_ARCHS)
+    body = source[source.index("k_grouped_kernel(") :]
+    assert len(re.findall(r"\*\(__nv_fp8x4_e8m0\*\)\(scales_tiles_ptr \+", body)) == word_stores
+    assert len(re.findall(r"^\s*scales_tiles_ptr\[", body, flags=re.M)) == byte_stores
