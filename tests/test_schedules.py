@@ -1,6 +1,9 @@
 """Schedule rules as a search space: enumerable, sampleable, validated, TVM-free until applied."""
 
+import re
+
 import pytest
+from conftest import require_toolchain
 
 from tvm_rmsquant.schedules import RULES, default_schedule, overriding, rule_by_name
 from tvm_rmsquant.spec import VariantSpec
@@ -86,11 +89,7 @@ def test_tiled_scales_are_stored_a_tile_word_at_a_time(per_thread, word_stores, 
     """A thread's groups that share a 4-column tile word are stored as one 4-byte vector
     (4 byte stores cost tiled:mxfp8 12 points of the copy ceiling against packed UE8M0, which
     stores words; docs/perf.md); fewer than 4 groups per thread keep one store each."""
-    from conftest import require_toolchain
-
     require_toolchain(nvcc=False)
-    import re
-
     from tvm_rmsquant.codegen import lower
 
     spec = VariantSpec("bf16", 8192, 32, False, "tiled", "mxfp8")
