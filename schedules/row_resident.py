@@ -25,6 +25,8 @@ MAX_THREADS = 1024
 WARP = 32
 #: fp32 values of the row held per thread (h and y); past this ptxas spills.
 MAX_RESIDENT = 64
+#: The most groups a thread holds: 16 groups of the narrowest 16-byte vector (4 fp32) fill MAX_RESIDENT.
+MAX_GROUPS_PER_THREAD = 16
 #: Vector widths of y (a 16-bit pair) and of q's cast (the widest fp32 -> fp8 cast that
 #: compiles, to packed cvt.rn.satfinite.e4m3x2).
 PAIR = 2
@@ -35,7 +37,17 @@ class RowResident(ScheduleRule):
     name = "row_resident"
 
     def space(self, spec: VariantSpec, target: Target) -> Dict[str, List[int]]:
-        return {"vector": [2, 4, 8], "groups_per_thread": [1, 2, 4, 8, 16], "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
+        """``groups_per_thread`` takes every divisor of the row's groups up to
+        ``MAX_GROUPS_PER_THREAD``, not only powers of two. At M <= 256 a row's block is alone or
+        nearly so on its SM, and its warps share the SM's four schedulers: the time tracks the
+        busiest scheduler's elements (H100, residual col fp32, M = 1, 16 elements per thread:
+        1.41, 1.58, 1.81, 2.08 and 2.11 us for 16, 32, 48, 64 and 64 of them at K = 2048, 4096,
+        5120, 7168 and 8192). Powers of two split K = 5120 (40 groups) and 7168 (56) into 5, 10
+        or 7, 14 warps, which four schedulers share unevenly; 5 and 7 groups per thread make 4
+        or 8 warps (docs/tuning.md)."""
+        groups = None if spec.is_dynamic else num_groups(spec.hidden, spec.group)
+        per_thread = [count for count in range(1, MAX_GROUPS_PER_THREAD + 1) if groups is None or groups % count == 0]
+        return {"vector": [2, 4, 8], "groups_per_thread": per_thread, "min_blocks_per_sm": MIN_BLOCKS_PER_SM}
 
     def refuses(self, spec: VariantSpec, knobs: Knobs, target: Target) -> Optional[str]:
         if spec.is_dynamic:
@@ -49,8 +61,6 @@ class RowResident(ScheduleRule):
         if lanes > 32:
             return f"a group would span {lanes} lanes, more than a warp"
         groups = num_groups(spec.hidden, spec.group)
-        if groups % per_thread:
-            return f"groups_per_thread={per_thread} does not divide the {groups} groups of a row"
         threads = lanes * (groups // per_thread)
         if threads > MAX_THREADS:
             return f"needs {threads} threads per block, more than {MAX_THREADS}"

@@ -98,3 +98,35 @@ def test_tiled_scales_are_stored_a_tile_word_at_a_time(per_thread, word_stores, 
     body = source[source.index("k_grouped_kernel(") :]
     assert len(re.findall(r"\*\(__nv_fp8x4_e8m0\*\)\(scales_tiles_ptr \+", body)) == word_stores
     assert len(re.findall(r"^\s*scales_tiles_ptr\[", body, flags=re.M)) == byte_stores
+
+
+def test_groups_per_thread_takes_every_divisor_so_warps_can_fill_the_four_schedulers():
+    """K = 7168 has 56 groups: powers of two give 28, 14 or 7 warps of 16-lane groups, and four
+    schedulers share 14 or 7 unevenly; 7 groups per thread gives 4 warps, or 8 at 32 lanes per
+    group. The search steps from 4 to 7 there, and a K = 4096 row keeps the powers of two."""
+    from tvm_rmsquant.schedules.search import neighbours
+
+    rule = rule_by_name("row_resident")
+    spec = VariantSpec("bf16", 7168, 128, True, "col", "fp32")
+    assert rule.space(spec, TARGET)["groups_per_thread"] == [1, 2, 4, 7, 8, 14]
+    assert rule.space(VariantSpec("bf16", 5120, 128), TARGET)["groups_per_thread"] == [1, 2, 4, 5, 8, 10]
+    assert rule.space(VariantSpec("bf16", 4096, 128), TARGET)["groups_per_thread"] == [1, 2, 4, 8, 16]
+    warps = {(k["vector"], k["groups_per_thread"]): (128 // k["vector"]) * (56 // k["groups_per_thread"]) // 32 for k in rule.candidates(spec, TARGET)}
+    assert warps[(8, 7)] == 4 and warps[(4, 7)] == 8 and warps[(4, 14)] == 4
+    default = default_schedule(spec, TARGET)[1]
+    assert {**default, "groups_per_thread": 7} in neighbours(rule, spec, TARGET, default)
+    assert "is not one of its values [1, 2, 4, 8, 16]" in rule.check(VariantSpec("bf16", 4096, 128), {**default, "groups_per_thread": 7}, TARGET)
+
+
+def test_the_non_power_of_two_thread_rows_compile_without_a_spill(tmp_path):
+    """7 groups per thread hold 56 values of h and of y at vector 8: under MAX_RESIDENT, and ptxas agrees."""
+    require_toolchain()
+    from tvm_rmsquant.codegen import lower, nvcc
+
+    spec = VariantSpec("bf16", 7168, 128, True, "col", "fp32")
+    kernels = [(spec, "row_resident", {"vector": vector, "groups_per_thread": per_thread, "min_blocks_per_sm": 0}, f"k{vector}_{per_thread}", None)
+               for vector, per_thread in ((8, 7), (4, 7), (4, 14))]
+    source = tmp_path / "k.cu"
+    source.write_text(lower.cuda_source(kernels, ["sm_90a"]))
+    figures = nvcc.compile_library(nvcc.find_nvcc(), source, tmp_path / "k.so", ["sm_90a"])
+    assert len(figures) == 3 and all(arch["sm_90a"]["spill_stores"] == arch["sm_90a"]["spill_loads"] == 0 for arch in figures.values())
