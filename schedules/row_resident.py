@@ -25,8 +25,8 @@ MAX_THREADS = 1024
 WARP = 32
 #: fp32 values of the row held per thread (h and y); past this ptxas spills.
 MAX_RESIDENT = 64
-#: The most groups a thread holds: 16 groups of the narrowest 16-byte vector (4 fp32) fill MAX_RESIDENT.
-MAX_GROUPS_PER_THREAD = 16
+#: The most groups a thread holds: at the narrowest 16-byte vector (4 fp32) they fill MAX_RESIDENT.
+MAX_GROUPS_PER_THREAD = MAX_RESIDENT // 4
 #: Vector widths of y (a 16-bit pair) and of q's cast (the widest fp32 -> fp8 cast that
 #: compiles, to packed cvt.rn.satfinite.e4m3x2).
 PAIR = 2
