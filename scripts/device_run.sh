@@ -6,6 +6,9 @@
 #            scripts/build_flashinfer_peer.py)
 #   TEST_PATHS                 the tests stage's files (default: tests)
 #   TESTS_SIDE_BY_SIDE=1       the tests stage runs the carried apache-tvm-ffi versions at once (default: one by one)
+#   TESTS_WORKERS=N            each tests run spreads its tests over N pytest-xdist processes (carry the
+#                              pytest_xdist and execnet wheels in .whl/); the suite's time is mostly the CPU
+#                              reference, one core each (default: one process)
 #   FFI_VERSION                the apache-tvm-ffi the stages other than tests run under (default: the version
 #                              artifacts/bundle was built with, else the newest carried); tests runs under each
 #   BENCH_ROWS, BENCH_HIDDEN, BENCH_FORMATS, BENCH_GROUP   narrow the benchmark grid (BENCH_GROUP=32:
@@ -73,13 +76,20 @@ for stage in $STAGES; do
       # default of one thread per core in each of three processes would oversubscribe the host.
       versions=($FFI_VERSIONS)
       jobs=$([ "${TESTS_SIDE_BY_SIDE:-0}" = 1 ] && echo ${#versions[@]} || echo 1)
-      threads=$(( $(nproc) / jobs )); [ $threads -ge 1 ] || threads=1
+      workers=${TESTS_WORKERS:-1} spread=()
+      [[ $workers =~ ^[1-9][0-9]*$ ]] || { echo "TESTS_WORKERS=$workers: give a number of test processes, e.g. 8"; exit 2; }
+      if [ "$workers" != 1 ]; then
+        PYTHONPATH=$SITES python3 -P -c 'import xdist' 2>/dev/null \
+          || { echo "TESTS_WORKERS=$workers needs pytest-xdist: carry the pytest_xdist and execnet wheels in .whl/"; exit 2; }
+        spread=(-n "$workers")
+      fi
+      threads=$(( $(nproc) / jobs / workers )); [ $threads -ge 1 ] || threads=1
       run_tests() {
         local version=$1 log=$RESULTS/tests-$1.log caches=/tmp/caches-$1
         PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -c 'import importlib.metadata as m, tvm_ffi
 print("apache-tvm-ffi", m.version("apache-tvm-ffi"), "from", tvm_ffi.__file__)' > "$log" 2>&1
         OMP_NUM_THREADS=$threads TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
-          PYTHONPATH=/tmp/ffi-$version:$SITES python3 -P -m pytest -p no:cacheprovider -m gpu ${TEST_PATHS:-tests} -q -rfE --durations=8 ${PYTEST_ARGS:-} \
+          PYTHONSAFEPATH=1 PYTHONPATH=/tmp/ffi-$version:$SITES python3 -m pytest -p no:cacheprovider -m gpu ${spread[@]+"${spread[@]}"} ${TEST_PATHS:-tests} -q -rfE --durations=8 ${PYTEST_ARGS:-} \
           >> "$log" 2>&1
       }
       pids=()
